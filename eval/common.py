@@ -1,0 +1,84 @@
+"""Shared by the eval scripts: where results go and the environment record beside them."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+def gpu_slug() -> str:
+    """'nvidia-h200' for an NVIDIA H200; 'cpu' without a GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def results_dir() -> Path:
+    return RESULTS_ROOT / gpu_slug()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _tileiras_version() -> str:
+    try:
+        text = subprocess.run(["tileiras", "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+        return " ".join(text.split())[-80:] or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "not found"
+
+
+def _driver_version() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(argv: list[str]) -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + shlex.join(argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cuda_tile": _version("cuda-tile"),
+        "tileiras": _tileiras_version(),
+        "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "hf_tiled_attention": _version("hf-tiled-attention"),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sm=f"{props.major}.{props.minor}",
+                   multiprocessors=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1), driver=_driver_version(),
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env.update(gpu="none (CPU reference path)")
+    return env
+
+
+def write_environment(out_dir: Path, job: str, argv: list[str], extra: dict | None = None) -> Path:
+    """environment.json holds one entry per job (kernel_sweep, perplexity, prefill)."""
+    path = out_dir / "environment.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[job] = {**environment(argv), **(extra or {})}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,318 @@
+"""Kernel sweep: `tiled` side by side with torch SDPA backends and eager attention.
+
+Every backend's output is checked against an fp32 reference before it is timed; a backend that
+refuses a shape is recorded as `unsupported` with the reason. Timing: CUDA events, warm-up,
+median of many repetitions, rotating input sets when they fit in L2.
+
+    python eval/kernel_bench.py                         # the standard sweep on the GPU
+    python eval/kernel_bench.py --seq 4096 --head-dim 128 --dtype bf16 --causal both
+    python eval/kernel_bench.py --schedule tile_m=64,128 --schedule tile_n=64,128
+    python eval/kernel_bench.py --profile --seq 8192 --head-dim 128 --causal on
+
+Results: eval/results/<gpu>/kernel_sweep.csv, environment.json and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import itertools
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hf_tiled_attention as hta  # noqa: E402
+from hf_tiled_attention.reference import reference_attention  # noqa: E402
+from eval.common import gpu_slug, results_dir, write_environment  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
+            "eager"]
+COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim",
+           "causal", "schedule", "ms", "tflops", "max_err", "status", "reason"]
+L2_BYTES = 60 * 2**20
+
+
+def sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+              "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}.get(name)
+    return sdpa_kernel([chosen]) if chosen is not None else contextlib.nullcontext()
+
+
+def make_call(backend: str, causal: bool, schedule: hta.Schedule | None):
+    """A function (q, k, v) -> out for one backend, all with the op's semantics."""
+    if backend == "tiled":
+        return lambda q, k, v: hta.tiled_attention(q, k, v, is_causal=causal, schedule=schedule)
+    if backend == "eager":
+        def eager(q, k, v):  # what transformers' eager path does: repeat kv, matmul, softmax
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+            if causal:
+                sq, skv = q.shape[2], k.shape[2]
+                hide = torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(skv - sq + 1)
+                s = s.masked_fill(hide, float("-inf"))
+            return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+        return eager
+
+    def sdpa(q, k, v):
+        with sdpa_backend(backend):
+            # SDPA's is_causal is top-left aligned; bottom-right needs Sq == Skv (or Sq == 1).
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal and q.shape[2] > 1, enable_gqa=k.shape[1] != q.shape[1])
+    return sdpa
+
+
+def reference(q, k, v, causal):
+    out, _ = reference_attention(q.float(), k.float(), v.float(), None, causal=causal,
+                                        scale=q.shape[-1] ** -0.5, window=None, softcap=None,
+                                        diag_offset=k.shape[2] - q.shape[2])
+    return out
+
+
+def time_call(fn, input_sets, warmup: int, reps: int) -> float:
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        args = input_sets[i % len(input_sets)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal,
+              schedule, args) -> dict:
+    row = dict(backend=backend, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+               seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal,
+               schedule=schedule_label(schedule), ms="", tflops="", max_err="", status="ok",
+               reason="")
+    torch_dtype = DTYPES[dtype]
+    one_set = 2 * batch * (heads_q * seq_q + 2 * heads_kv * seq_kv) * head_dim * \
+        torch_dtype.itemsize
+    n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / one_set)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch_dtype)
+
+    sets = [(rand(batch, heads_q, seq_q, head_dim), rand(batch, heads_kv, seq_kv, head_dim),
+             rand(batch, heads_kv, seq_kv, head_dim)) for _ in range(n_sets)]
+    fn = make_call(backend, causal, schedule)
+    try:
+        out = fn(*sets[0])
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError as exc:
+        row.update(status="oom", reason=str(exc).splitlines()[0][:160])
+        return row
+    except RuntimeError as exc:  # SDPA backends refuse shapes with a RuntimeError
+        row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
+        return row
+    # Check against an fp32 reference (first batch/head group bounded in size).
+    q, k, v = (t[:1] for t in sets[0])
+    want = reference(q, k, v, causal)
+    err = (out[:1].float() - want).abs().max().item()
+    row["max_err"] = f"{err:.3g}"
+    bound = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-2}[dtype]
+    if not math.isfinite(err) or err > bound:
+        row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
+        return row
+    del out
+    ms = time_call(fn, sets, args.warmup, args.reps)
+    flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
+    if causal:
+        flops /= 2
+    row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}")
+    return row
+
+
+def schedule_label(schedule: hta.Schedule | None) -> str:
+    if schedule is None:
+        return "default"
+    fields = {f.name: getattr(schedule, f.name) for f in dataclasses.fields(schedule)}
+    return ";".join(f"{k}={v}" for k, v in fields.items() if v is not None) or "default"
+
+
+def parse_schedules(specs: list[str]) -> list[hta.Schedule | None]:
+    """--schedule tile_m=64,128 --schedule occupancy=1,2 -> the cross product of Schedules."""
+    if not specs:
+        return [None]
+    axes = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if name not in {f.name for f in dataclasses.fields(hta.Schedule)} or not values:
+            raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
+        parse = (lambda s: s.lower() in ("1", "true")) if name == "heavy_first" else int
+        axes.append([(name, parse(v)) for v in values.split(",")])
+    return [hta.Schedule(**dict(combo)) for combo in itertools.product(*axes)]
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == r["seq_kv"]]
+    paths = []
+    groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["heads_q"], r["heads_kv"])
+                     for r in ok})
+    if not groups:
+        return paths
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.2 * len(groups)), squeeze=False)
+    for (dtype, d, causal, hq, hkv), (ax_tf, ax_speed) in zip(groups, axes):
+        sel = [r for r in ok if (r["dtype"], r["head_dim"], r["causal"], r["heads_q"],
+                                 r["heads_kv"]) == (dtype, d, causal, hq, hkv)]
+        tiled = {r["seq_q"]: float(r["ms"]) for r in sel if r["backend"] == "tiled"}
+        for backend in BACKENDS:
+            pts = sorted((r["seq_q"], float(r["tflops"]), float(r["ms"])) for r in sel
+                         if r["backend"] == backend)
+            if not pts:
+                continue
+            ax_tf.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+            if backend != "tiled":
+                sp = [(s, ms / tiled[s]) for s, _, ms in pts if s in tiled]
+                if sp:
+                    ax_speed.plot([p[0] for p in sp], [p[1] for p in sp], marker="o",
+                                  label=f"tiled vs {backend}")
+        title = f"{dtype} D={d} Hq/Hkv={hq}/{hkv} causal={causal}"
+        ax_tf.set(xscale="log", xlabel="sequence length", ylabel="TF/s", title=title)
+        ax_speed.set(xscale="log", yscale="log", xlabel="sequence length",
+                     ylabel="speedup of tiled (x)", title=title)
+        ax_speed.axhline(1.0, color="gray", lw=0.8)
+        ax_tf.legend(fontsize=7)
+        ax_speed.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "kernel_sweep.png"
+    fig.savefig(path, dpi=80)
+    paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--causal", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--heads", nargs="+", default=["32/8", "32/32"],
+                        help="Hq/Hkv pairs, e.g. 32/8 (GQA) 32/32 (MHA)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="batch size (0: 16k tokens per batch, as in FlashAttention's bench)")
+    parser.add_argument("--decode", action="store_true", help="also run Sq=1 against each Skv")
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--schedule", action="append", default=[],
+                        help="sweep a Schedule field: FIELD=V1,V2 (repeatable; cross product)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the first configuration of `tiled` under torch.profiler and "
+                             "print its kernel table (wrap with `ncu --clock-control none` for "
+                             "hardware counters)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench: no CUDA GPU here; the sweep needs one (nothing to time on CPU).")
+        return 0
+    schedules = parse_schedules(args.schedule)
+    causal_values = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    if args.profile:
+        return profile(args, heads[0], causal_values[0], schedules[0])
+
+    out_dir = args.out or results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    warnings.simplefilter("ignore")
+    rows = []
+    points = []
+    for dtype, d, causal, (hq, hkv), seq in itertools.product(
+            args.dtype, args.head_dim, causal_values, heads, args.seq):
+        batch = args.batch or max(1, 16384 // seq)
+        points.append((dtype, batch, hq, hkv, seq, seq, d, causal))
+        if args.decode:
+            points.append((dtype, batch, hq, hkv, 1, seq, d, causal))
+    started = time.time()
+    for dtype, batch, hq, hkv, sq, skv, d, causal in points:
+        for backend in args.backends:
+            for schedule in (schedules if backend == "tiled" else [None]):
+                row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, schedule,
+                                args)
+                rows.append(row)
+                print(f"{backend:15s} {dtype} b{batch} h{hq}/{hkv} q{sq} k{skv} d{d} "
+                      f"causal={int(causal)} {row['schedule']:>10s}  {row['status']:11s} "
+                      f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s err {row['max_err']}",
+                      flush=True)
+                torch.cuda.empty_cache()
+    csv_path = out_dir / "kernel_sweep.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_environment(out_dir, "kernel_sweep", sys.argv, extra={"seconds": time.time() - started})
+    for path in plot(rows, out_dir):
+        print("plot:", path)
+    print("csv:", csv_path)
+    print_summary(rows)
+    return 0
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Geometric-mean speedup of tiled over each backend on the points both ran."""
+    by_key = {}
+    for r in rows:
+        if r["status"] == "ok":
+            key = (r["dtype"], r["batch"], r["heads_q"], r["heads_kv"], r["seq_q"], r["seq_kv"],
+                   r["head_dim"], r["causal"])
+            times = by_key.setdefault(key, {})
+            # tiled may appear once per swept schedule: keep its best.
+            times[r["backend"]] = min(float(r["ms"]), times.get(r["backend"], math.inf))
+    for backend in BACKENDS[1:]:
+        ratios = [v[backend] / v["tiled"] for v in by_key.values() if backend in v and "tiled" in v]
+        if ratios:
+            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            print(f"tiled vs {backend:15s}: geomean speedup {gm:.3f}x over {len(ratios)} points, "
+                  f"min {min(ratios):.3f}x")
+
+
+def profile(args, heads, causal, schedule) -> int:
+    """One configuration under torch.profiler. For hardware counters run this mode under
+    `ncu --clock-control none --kernel-name regex:attention -c 3 python eval/kernel_bench.py
+    --profile ...` and read sm__throughput / tensor-pipe utilisation and dram bytes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    hq, hkv = heads
+    seq, d, dtype = args.seq[0], args.head_dim[0], DTYPES[args.dtype[0]]
+    batch = args.batch or max(1, 16384 // seq)
+    q = torch.randn(batch, hq, seq, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, hkv, seq, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    fn = make_call("tiled", causal, schedule)
+    for _ in range(3):
+        fn(q, k, v)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            fn(q, k, v)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    print("Reading it: the attention kernel's CUDA time per call is the number to compare with "
+          "4*B*Hq*Sq*Skv*D (/2 if causal) FLOPs; host-side rows show launch overhead.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The cuTile attention forward kernel.
+
+One block (grid: query tiles x query heads x batch) computes one output tile: it streams the key/value
+tiles that the query tile can see and keeps an online softmax (running max ``m``, running sum
+``l`` and the unnormalised output ``acc``) in fp32.
+
+Visibility of key ``j`` for query row ``i`` (``pos = i + diag_offset``, keys and positions in key
+coordinates):
+
+* always ``j < seq_kv``;
+* ``CAUSAL``: ``j <= pos``;
+* ``WINDOWED``: ``j > pos - window``, and when not causal also ``j < pos + window``;
+* ``MASK_KIND`` 1 (bool, stored as uint8): ``mask[i, j] != 0``; 2 (additive float): the score
+  gets ``+ mask[i, j]`` and ``-inf`` hides the key.
+
+Only key tiles inside the causal/window range are visited; inside it, tiles that need no
+per-element mask skip the masking work, and with a dense mask a per-tile state table (0: nothing
+visible, 1: partial, 2: all visible with zero bias) skips empty tiles and avoids loading the mask
+for full ones. Every tuning knob comes in as a constant from :class:`hf_tiled_attention.Schedule`.
+"""
+
+import math
+
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+ConstFloat = ct.Constant[float]
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+# Per-tile states of the dense-mask table (see masks.py).
+TILE_EMPTY = 0
+TILE_PARTIAL = 1
+TILE_FULL = 2
+
+
+@ct.kernel
+def attention_forward(
+    Q, K, V, Out, Lse, Mask, TileState,
+    score_scale: float,      # multiplies q.k (scale, or scale/softcap when SOFTCAP)
+    softcap_out: float,      # softcap * SCORE_UNIT when SOFTCAP
+    diag_offset: int,        # query row i sits at key position i + diag_offset
+    window: int,
+    GROUP: ConstInt,         # query heads per key/value head
+    TILE_M: ConstInt,
+    TILE_N: ConstInt,
+    TILE_D: ConstInt,        # head dim rounded up to a power of two; loads pad with zeros
+    CAUSAL: ConstBool,
+    WINDOWED: ConstBool,
+    SOFTCAP: ConstBool,
+    MASK_KIND: ConstInt,     # 0 none, 1 bool (uint8), 2 additive
+    MASK_BATCHED: ConstBool,  # mask has a batch dim of size B (else 1)
+    MASK_HEADED: ConstBool,   # mask has a head dim of size Hq (else 1)
+    MASK_ROWS: ConstBool,     # mask has one row per query (else one row for all queries)
+    SCORE_UNIT: ConstFloat,   # LOG2E: scores kept in log2 units; 1.0: natural units
+    WRITE_LSE: ConstBool,
+    HEAVY_FIRST: ConstBool,   # causal: launch the longest query tiles first
+    K_LATENCY: ConstInt,
+    V_LATENCY: ConstInt,
+):
+    num_m_tiles = ct.num_blocks(0)
+    m_tile = ct.bid(0)
+    if HEAVY_FIRST:
+        m_tile = num_m_tiles - 1 - m_tile
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    kv_head = head // GROUP
+
+    seq_q = Q.shape[2]
+    seq_kv = K.shape[2]
+    row_lo = m_tile * TILE_M
+    row_hi = min(row_lo + TILE_M, seq_q) - 1
+
+    # Keys that some row of this tile may see: [lo_any, hi_any); that every row sees: [lo_all, hi_all).
+    lo_any = 0
+    lo_all = 0
+    hi_any = seq_kv
+    hi_all = seq_kv
+    if WINDOWED:
+        lo_any = max(row_lo + diag_offset - window + 1, 0)
+        lo_all = max(row_hi + diag_offset - window + 1, 0)
+        if not CAUSAL:
+            hi_any = min(row_hi + diag_offset + window, seq_kv)
+            hi_all = min(row_lo + diag_offset + window, seq_kv)
+    if CAUSAL:
+        hi_any = min(row_hi + diag_offset + 1, seq_kv)
+        hi_all = min(row_lo + diag_offset + 1, seq_kv)
+    first_tile = lo_any // TILE_N
+    end_tile = max(ct.cdiv(hi_any, TILE_N), first_tile)
+
+    row_pos = (row_lo + diag_offset + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
+
+    mask_b = batch if MASK_BATCHED else 0
+    mask_h = head if MASK_HEADED else 0
+    mask_m = m_tile if MASK_ROWS else 0
+    MASK_TILE_M = TILE_M if MASK_ROWS else 1
+
+    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+
+    q = ct.load(Q, index=(batch, head, m_tile, 0), shape=(1, 1, TILE_M, TILE_D),
+                padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TILE_D))
+    mma_dtype = ct.tfloat32 if Q.dtype == ct.float32 else Q.dtype
+    q = q.astype(mma_dtype)
+
+    for j in range(first_tile, end_tile):
+        state = TILE_FULL
+        if MASK_KIND != 0:
+            state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
+        if state != TILE_EMPTY:
+            k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
+                        order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
+                        latency=K_LATENCY).reshape((TILE_D, TILE_N))
+            qk = ct.mma(q, k.astype(mma_dtype), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+            if SOFTCAP:
+                s = ct.tanh(qk * score_scale) * softcap_out
+            else:
+                s = qk * score_scale
+
+            tile_start = j * TILE_N
+            if tile_start < lo_all or tile_start + TILE_N > hi_all:
+                cols = tile_start + col_in_tile
+                visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
+                if CAUSAL:
+                    visible = visible & (cols <= row_pos)
+                if WINDOWED:
+                    visible = visible & (cols > row_pos - window)
+                    if not CAUSAL:
+                        visible = visible & (cols < row_pos + window)
+                s = ct.where(visible, s, -math.inf)
+            if state == TILE_PARTIAL:
+                mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
+                               shape=(1, 1, MASK_TILE_M, TILE_N),
+                               padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
+                if MASK_KIND == 1:
+                    s = ct.where(mask != 0, s, -math.inf)
+                else:
+                    s = s + mask.astype(ct.float32)
+
+            m_new = max(m_i, ct.max(s, axis=-1, keepdims=True))
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
+            if SCORE_UNIT == 1.0:
+                p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
+                alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
+            else:
+                p = ct.exp2(s - m_shift, flush_to_zero=True)
+                alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+            l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+            v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                        padding_mode=ct.PaddingMode.ZERO,
+                        latency=V_LATENCY).reshape((TILE_N, TILE_D))
+            acc = ct.mma(p.astype(mma_dtype), v.astype(mma_dtype), acc * alpha)
+            m_i = m_new
+
+    # Rows that saw no key: output 0 and lse -inf.
+    seen = l_i > 0.0
+    out = ct.where(seen, acc / ct.where(seen, l_i, 1.0), 0.0)
+    ct.store(Out, index=(batch, head, m_tile, 0),
+             tile=out.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype))
+    if WRITE_LSE:
+        lse = ct.where(seen, m_i / SCORE_UNIT + ct.log(ct.where(seen, l_i, 1.0)), -math.inf)
+        ct.store(Lse, index=(batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))

@@ -1,0 +1,128 @@
+"""Host side of the cuTile kernel: from a validated call to a launch.
+
+:func:`plan_launch` turns a call into a :class:`LaunchPlan` (grid, runtime scalars and the
+compile-time constants that pick a kernel variant). It reads only shapes and dtypes, so the CPU
+tests use it on meta tensors to compile every variant the op can dispatch, without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .masks import ADDITIVE, CompactMask, tile_states
+from .schedule import Schedule, head_dim_tile
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    grid: tuple[int, int, int]
+    scalars: tuple[float, float, int, int]   # score_scale, softcap_out, diag_offset, window
+    constants: tuple                          # the kernel's Constant parameters, in order
+    occupancy: int
+    num_ctas: int
+    dtype: torch.dtype
+    mask_dtype: Optional[torch.dtype]
+    tile_m: int
+    tile_n: int
+    write_lse: bool
+
+
+def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask], *,
+                causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
+                diag_offset: int, schedule: Schedule, return_lse: bool) -> LaunchPlan:
+    batch, heads_q, seq_q, head_dim = query.shape
+    group = heads_q // key.shape[1]
+    # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
+    score_unit = 1.0 if mask is not None and mask.kind == ADDITIVE else LOG2E
+    if softcap is not None:
+        score_scale, softcap_out = scale / softcap, softcap * score_unit
+    else:
+        score_scale, softcap_out = scale * score_unit, 0.0
+    constants = (
+        group, schedule.tile_m, schedule.tile_n, head_dim_tile(head_dim),
+        bool(causal), window is not None, softcap is not None,
+        0 if mask is None else mask.kind,
+        mask is not None and mask.batched,
+        mask is not None and mask.headed,
+        mask is not None and mask.per_row,
+        score_unit, bool(return_lse), bool(causal and schedule.heavy_first),
+        schedule.k_latency, schedule.v_latency,
+    )
+    return LaunchPlan(
+        grid=(math.ceil(seq_q / schedule.tile_m), heads_q, batch),
+        scalars=(float(score_scale), float(softcap_out), int(diag_offset), int(window or 0)),
+        constants=constants, occupancy=schedule.occupancy, num_ctas=schedule.num_ctas,
+        dtype=query.dtype, mask_dtype=None if mask is None else mask.tensor.dtype,
+        tile_m=schedule.tile_m, tile_n=schedule.tile_n, write_lse=bool(return_lse),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_with_hints(occupancy: int, num_ctas: int):
+    """The kernel object for one set of compiler hints (each keeps its own JIT cache)."""
+    from .kernel import attention_forward
+    return attention_forward.replace_hints(occupancy=occupancy, num_ctas=num_ctas)
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A tiny array for kernel parameters a variant never reads (no mask, no LSE)."""
+    return torch.zeros((1,) * ndim, dtype=dtype, device=device)
+
+
+def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: Optional[CompactMask]) -> tuple[torch.Tensor, torch.Tensor]:
+    import cuda.tile as ct
+
+    device = query.device
+    batch, heads_q, seq_q, _ = query.shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    if plan.write_lse:
+        lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    else:
+        lse = torch.empty((0,), dtype=torch.float32, device=device)
+    lse_arg = lse if plan.write_lse else _placeholder(device, torch.float32, 3)
+    if mask is not None:
+        mask_arg = mask.tensor
+        states = tile_states(mask, plan.tile_m, plan.tile_n)
+    else:
+        mask_arg = _placeholder(device, torch.uint8, 4)
+        states = _placeholder(device, torch.int8, 4)
+    kernel = kernel_with_hints(plan.occupancy, plan.num_ctas)
+    with torch.cuda.device(device):
+        ct.launch(torch.cuda.current_stream(device), plan.grid, kernel,
+                  (query, key, value, out, lse_arg, mask_arg, states) + plan.scalars + plan.constants)
+    return out, lse
+
+
+def export_signature(plan: LaunchPlan):
+    """The :class:`cuda.tile.compilation.KernelSignature` of the variant ``plan`` launches."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
+                                       ScalarConstraint)
+
+    ct_dtypes = {torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
+                 torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8}
+
+    def array(dtype: torch.dtype, ndim: int) -> ArrayConstraint:
+        return ArrayConstraint(ct_dtypes[dtype], ndim, index_dtype=ct.int32,
+                               stride_lower_bound_incl=0, alias_groups=(),
+                               may_alias_internally=False)
+
+    arrays = [array(plan.dtype, 4)] * 4 + [
+        array(torch.float32, 3),
+        array(plan.mask_dtype or torch.uint8, 4),
+        array(torch.int8, 4),
+    ]
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
+               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
+    return KernelSignature(arrays + scalars + list(plan.constants),
+                           CallingConvention.cutile_python_v1())
+

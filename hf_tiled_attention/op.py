@@ -1,0 +1,163 @@
+"""The public op, ``tiled_attention``, and the torch custom op behind it.
+
+``tiled_attention`` checks its arguments, compacts the mask and calls
+``torch.ops.hf_tiled_attention.attention``: a ``torch.library`` custom op with a fake
+implementation (so ``torch.compile(fullgraph=True)`` traces through it) whose real implementation
+launches the cuTile kernel on a capable GPU and runs the reference algorithm elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from .checks import check_inputs, check_options
+from .launch import plan_launch, run_kernel
+from .masks import CompactMask, compact_mask
+from .reference import reference_attention
+from .schedule import Schedule, resolve_schedule
+
+FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
+
+
+def tiled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    schedule: Optional[Schedule] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Scaled dot-product attention, forward only, on the cuTile kernel.
+
+    Args:
+        query: ``(B, Hq, Sq, D)``; may be a strided view (e.g. ``(B, S, H, D)`` transposed).
+        key, value: ``(B, Hkv, Skv, D)`` with ``Hq % Hkv == 0`` (GQA/MQA, K/V never repeated).
+            fp16, bf16 or fp32 (fp32 runs the kernel's TF32 variant on GPU); ``D`` a multiple
+            of 8 from 16 to 256.
+        attn_mask: bool (True = may attend) or additive float, broadcastable to
+            ``(B, Hq, Sq, Skv)``. Key tiles it hides entirely are skipped.
+        is_causal: bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Skv - Sq``.
+        scale: score scale, default ``1 / sqrt(D)``.
+        window: sliding window ``W``: query ``i`` sees key ``j`` only if
+            ``j > i + Skv - Sq - W``; without ``is_causal`` the window is symmetric,
+            ``|j - (i + Skv - Sq)| < W``.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking.
+        schedule: kernel schedule overrides (see :class:`Schedule`); unset fields come from
+            ``use_schedule`` and the default table.
+        return_lse: also return the fp32 log-sum-exp ``(B, Hq, Sq)`` (natural log).
+
+    Returns:
+        ``out`` ``(B, Hq, Sq, D)`` in the input dtype, or ``(out, lse)``. A query row with no
+        visible key gets an output of exactly 0 and an LSE of ``-inf``.
+    """
+    check_inputs(query, key, value)
+    check_options(is_causal, scale, window, softcap, schedule, return_lse)
+    diag_offset = key.shape[2] - query.shape[2]
+    out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
+                         window=window, softcap=softcap, diag_offset=diag_offset,
+                         schedule=schedule)
+    return (out, lse) if return_lse else out
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: Optional[torch.Tensor], *, causal: bool, scale: Optional[float],
+              window: Optional[int], softcap: Optional[float], diag_offset: int,
+              schedule: Optional[Schedule] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
+    ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
+    caches whose keys extend past the current queries)."""
+    batch, heads_q, seq_q, head_dim = query.shape
+    mask = None
+    if attn_mask is not None:
+        mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        # Tile loads need unit stride along D; every framework layout already has it.
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    return torch.ops.hf_tiled_attention.attention(
+        query, key, value, None if mask is None else mask.tensor,
+        0 if mask is None else mask.kind, causal, float(scale), window or 0,
+        float(softcap or 0.0), int(diag_offset), (schedule or Schedule()).as_list())
+
+
+@torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: Optional[torch.Tensor], mask_kind: int, causal: bool, scale: float,
+                  window: int, softcap: float, diag_offset: int,
+                  schedule: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    compact = None if mask is None else CompactMask(mask, mask_kind)
+    window_or_none = window or None
+    softcap_or_none = softcap or None
+    if query.numel() == 0 or not kernel_available(query.device):
+        if query.numel():
+            _warn_reference_once(query.device)
+        return reference_attention(query, key, value, compact, causal=causal, scale=scale,
+                                   window=window_or_none, softcap=softcap_or_none,
+                                   diag_offset=diag_offset)
+    arch_major = torch.cuda.get_device_capability(query.device)[0]
+    full_schedule = resolve_schedule(Schedule.from_list(schedule), arch_major, query.dtype,
+                                     query.shape[-1], causal)
+    plan = plan_launch(query, key, compact, causal=causal, scale=scale, window=window_or_none,
+                       softcap=softcap_or_none, diag_offset=diag_offset,
+                       schedule=full_schedule, return_lse=True)
+    return run_kernel(plan, query, key, value, compact)
+
+
+@_attention_op.register_fake
+def _attention_fake(query, key, value, mask, mask_kind, causal, scale, window, softcap,
+                    diag_offset, schedule):
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "hf_tiled_attention is forward-only: no backward pass exists. Use "
+        "torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa') for "
+        "training, or run inference under torch.no_grad() / torch.inference_mode().")
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_available(device: torch.device) -> bool:
+    """Whether the cuTile kernel can run on ``device`` (CUDA, sm_80+, cuda-tile importable)."""
+    if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
+        return False
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    try:
+        import cuda.tile  # noqa: F401
+    except Exception:  # a missing or broken toolchain means the reference path
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_once(device: torch.device) -> None:
+    if device.type == "cuda" and os.environ.get(FORCE_REFERENCE_ENV, "") in ("", "0"):
+        reason = "no cuTile-capable GPU/toolchain (sm_80+ and cuda-tile needed)"
+    elif device.type == "cuda":
+        reason = f"{FORCE_REFERENCE_ENV} is set"
+    else:
+        reason = f"tensors are on {device.type}"
+    warnings.warn(f"hf_tiled_attention: {reason}; using the pure-PyTorch reference path "
+                  "(same semantics, much slower).", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,93 @@
+"""Pure-PyTorch path: the kernel's tiled online-softmax algorithm with identical semantics.
+
+Runs wherever the cuTile kernel cannot (CPU, GPUs without cuTile). Works chunk by chunk over
+queries and keys in fp32, so memory stays O(chunk), never O(Sq x Skv); GQA is handled by grouping
+query heads, never by repeating K/V. Chunks outside the causal/window range are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .masks import ADDITIVE, CompactMask
+
+QUERY_CHUNK = 256
+KEY_CHUNK = 512
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        mask: Optional[CompactMask], *, causal: bool, scale: float,
+                        window: Optional[int], softcap: Optional[float], diag_offset: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out (B, Hq, Sq, D) in query's dtype, lse (B, Hq, Sq) fp32)``."""
+    batch, heads_q, seq_q, head_dim = query.shape
+    heads_kv, seq_kv = key.shape[1], key.shape[2]
+    group = heads_q // heads_kv
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    # Views grouped by kv head: (B, Hkv, G, S, D); no copies of K/V.
+    q_grouped = query.unflatten(1, (heads_kv, group))
+    out_grouped = out.unflatten(1, (heads_kv, group))
+    lse_grouped = lse.unflatten(1, (heads_kv, group))
+    mask_t = None
+    if mask is not None:
+        mask_t = mask.tensor
+        if mask.headed:
+            mask_t = mask_t.unflatten(1, (heads_kv, group))
+        else:
+            mask_t = mask_t.unsqueeze(2)  # (Bm, 1, 1, Sm, Skv)
+
+    for q0 in range(0, seq_q, QUERY_CHUNK):
+        q1 = min(q0 + QUERY_CHUNK, seq_q)
+        q = q_grouped[:, :, :, q0:q1].float()
+        pos = torch.arange(q0, q1, device=query.device)[:, None] + diag_offset  # (cq, 1)
+        k_lo, k_hi = 0, seq_kv
+        if window is not None:
+            k_lo = max(q0 + diag_offset - window + 1, 0)
+            if not causal:
+                k_hi = min(q1 - 1 + diag_offset + window, seq_kv)
+        if causal:
+            k_hi = min(q1 - 1 + diag_offset + 1, seq_kv)
+        row_max = torch.full(q.shape[:-1] + (1,), -math.inf, device=query.device)
+        row_sum = torch.zeros_like(row_max)
+        acc = torch.zeros(q.shape, device=query.device)
+        for k0 in range(k_lo, k_hi, KEY_CHUNK):
+            k1 = min(k0 + KEY_CHUNK, k_hi)
+            k = key[:, :, k0:k1].float().unsqueeze(2)    # (B, Hkv, 1, ck, D)
+            v = value[:, :, k0:k1].float().unsqueeze(2)
+            s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, cq, ck)
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            cols = torch.arange(k0, k1, device=query.device)[None, :]
+            visible = torch.ones_like(cols, dtype=torch.bool)
+            if causal:
+                visible = visible & (cols <= pos)
+            if window is not None:
+                visible = visible & (cols > pos - window)
+                if not causal:
+                    visible = visible & (cols < pos + window)
+            s = s.masked_fill(~visible, -math.inf)
+            if mask_t is not None:
+                m = mask_t[..., k0:k1]
+                if mask.per_row:
+                    m = m[..., q0:q1, :]
+                if mask.kind == ADDITIVE:
+                    s = s + m.float()
+                else:
+                    s = s.masked_fill(m == 0, -math.inf)
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
+            p = torch.exp(s - shift)
+            alpha = torch.exp(row_max - shift)
+            row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, v)
+            row_max = new_max
+        seen = row_sum > 0
+        safe_sum = torch.where(seen, row_sum, torch.ones_like(row_sum))
+        out_grouped[:, :, :, q0:q1] = torch.where(seen, acc / safe_sum, 0.0).to(query.dtype)
+        lse_grouped[:, :, :, q0:q1] = torch.where(
+            seen, row_max + torch.log(safe_sum), -math.inf).squeeze(-1)
+    return out, lse

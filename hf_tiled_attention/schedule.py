@@ -1,0 +1,135 @@
+"""The kernel's schedule: every tuning knob in one frozen dataclass, plus the default table.
+
+A researcher changes how the kernel runs by editing a :class:`Schedule` in Python, never the
+kernel: pass ``schedule=`` to :func:`hf_tiled_attention.tiled_attention`, or wrap code in
+``with use_schedule(...)``. Fields left as ``None`` in an override keep the default table's value
+for the call's (arch, dtype, head dim, causal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+_POWERS_OF_TWO = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the cuTile kernel tiles and schedules one attention call.
+
+    Attributes:
+        tile_m: query rows per block (power of two, 16..256).
+        tile_n: keys per inner-loop step (power of two, 16..256).
+        occupancy: blocks the compiler should plan to fit on one SM (1..32).
+        num_ctas: CTAs per cluster (1, 2, 4, ...; 1 = no clusters).
+        k_latency: load latency hint for K tiles (1 low .. 10 high DRAM traffic).
+        v_latency: load latency hint for V tiles.
+        heavy_first: with causal masking, launch the query tiles with the most keys first.
+    """
+
+    tile_m: Optional[int] = None
+    tile_n: Optional[int] = None
+    occupancy: Optional[int] = None
+    num_ctas: Optional[int] = None
+    k_latency: Optional[int] = None
+    v_latency: Optional[int] = None
+    heavy_first: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tile_m", "tile_n"):
+            value = getattr(self, name)
+            if value is not None and value not in _POWERS_OF_TWO:
+                raise ValueError(f"Schedule.{name} must be one of {_POWERS_OF_TWO}, got {value!r}")
+        _check_range("occupancy", self.occupancy, 1, 32)
+        _check_range("k_latency", self.k_latency, 1, 10)
+        _check_range("v_latency", self.v_latency, 1, 10)
+        if self.num_ctas is not None and self.num_ctas not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got {self.num_ctas!r}")
+        if self.heavy_first is not None and not isinstance(self.heavy_first, bool):
+            raise TypeError(f"Schedule.heavy_first must be a bool, got {self.heavy_first!r}")
+
+    def merged_over(self, base: "Schedule") -> "Schedule":
+        """This schedule's set fields on top of ``base``'s."""
+        changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) is not None}
+        return dataclasses.replace(base, **changes)
+
+    def as_list(self) -> list[int]:
+        """Integer encoding (-1 = unset) to pass a schedule through the torch custom op."""
+        return [-1 if getattr(self, f.name) is None else int(getattr(self, f.name))
+                for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> "Schedule":
+        fields = dataclasses.fields(cls)
+        if len(values) != len(fields):
+            raise ValueError(f"expected {len(fields)} schedule values, got {len(values)}")
+        decoded = {}
+        for f, v in zip(fields, values):
+            if v != -1:
+                decoded[f.name] = bool(v) if f.name == "heavy_first" else int(v)
+        return cls(**decoded)
+
+
+def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"Schedule.{name} must be an int in [{low}, {high}], got {value!r}")
+
+
+# The default table. Keyed by (arch major, head-dim tile, causal); dtype-independent for now
+# because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
+# eval/results/<gpu>/; other archs use the sm_90 entries.
+_BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, k_latency=2, v_latency=4,
+                 heavy_first=True)
+_DEFAULTS: dict[tuple[int, int, bool], Schedule] = {}
+for _causal in (False, True):
+    for _tile_d in (16, 32, 64):
+        _DEFAULTS[(9, _tile_d, _causal)] = dataclasses.replace(_BASE, tile_m=128, tile_n=128, occupancy=2)
+    _DEFAULTS[(9, 128, _causal)] = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=1)
+    _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=64, tile_n=64, occupancy=1)
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """Head dims are processed as the next power of two (zero-padded on load, clipped on store)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool) -> Schedule:
+    """The default table's entry for one call (``dtype`` is part of the key for future entries)."""
+    del dtype
+    tile_d = head_dim_tile(head_dim)
+    return _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
+
+
+_override: contextvars.ContextVar[Optional[Schedule]] = contextvars.ContextVar(
+    "hf_tiled_attention_schedule", default=None)
+
+
+@contextlib.contextmanager
+def use_schedule(schedule: Schedule) -> Iterator[Schedule]:
+    """Use ``schedule`` (on top of the defaults) for every call inside the block."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"use_schedule expects a Schedule, got {type(schedule).__name__}")
+    token = _override.set(schedule)
+    try:
+        yield schedule
+    finally:
+        _override.reset(token)
+
+
+def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch.dtype,
+                     head_dim: int, causal: bool) -> Schedule:
+    """Complete schedule for a call: default table, then ``use_schedule``, then ``schedule=``."""
+    schedule = default_schedule(arch_major, dtype, head_dim, causal)
+    for layer in (_override.get(), explicit):
+        if layer is not None:
+            schedule = layer.merged_over(schedule)
+    return schedule

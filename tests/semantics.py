@@ -1,0 +1,158 @@
+"""The op's definition in fp64, written as plainly as possible, plus the shared case matrix.
+
+Both the CPU tests (reference path) and the GPU tests (cuTile kernel) compare against
+``definition`` on random data built by ``make_inputs``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+
+def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None, window=None,
+               softcap=None):
+    """fp64 SDPA with the op's semantics; returns (out, lse)."""
+    q, k, v = (t.double() for t in (query, key, value))
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    seq_q, seq_kv = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(seq_q, device=q.device)[:, None] + (seq_kv - seq_q)
+    j = torch.arange(seq_kv, device=q.device)[None, :]
+    visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=q.device)
+    if is_causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+        if not is_causal:
+            visible &= j < i + window
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            visible = visible & attn_mask
+        else:
+            s = s + attn_mask.double()
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
+    return p @ v, lse
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    heads_q: int = 4
+    heads_kv: int = 2
+    seq_q: int = 96
+    seq_kv: int = 96
+    head_dim: int = 64
+    causal: bool = False
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    scale: Optional[float] = None
+    mask: Optional[str] = None      # see make_mask
+    strided: bool = False           # q/k/v as (B, S, H, D) memory viewed as (B, H, S, D)
+
+    @property
+    def name(self) -> str:
+        parts = [f"b{self.batch}h{self.heads_q}-{self.heads_kv}q{self.seq_q}k{self.seq_kv}"
+                 f"d{self.head_dim}"]
+        for flag in ("causal", "strided"):
+            if getattr(self, flag):
+                parts.append(flag)
+        for field in ("window", "softcap", "scale", "mask"):
+            if getattr(self, field) is not None:
+                parts.append(f"{field}={getattr(self, field)}")
+        return "-".join(parts)
+
+
+def make_mask(kind: str, case: Case, device, dtype) -> torch.Tensor:
+    b, h, sq, skv = case.batch, case.heads_q, case.seq_q, case.seq_kv
+    g = torch.Generator(device="cpu").manual_seed(sum(map(ord, kind)))
+
+    def rand_bool(*shape):
+        return (torch.rand(*shape, generator=g) < 0.7).to(device)
+
+    def rand_additive(*shape):
+        bias = torch.randn(*shape, generator=g) * 2
+        bias[torch.rand(*shape, generator=g) < 0.2] = -math.inf
+        return bias.to(device=device, dtype=dtype)
+
+    if kind == "bool":                 # full (B, Hq, Sq, Skv)
+        return rand_bool(b, h, sq, skv)
+    if kind == "bool_keypad":          # key padding (B, 1, 1, Skv), left padded
+        pad = torch.arange(skv)[None, :] >= torch.tensor([0, skv // 3] * b)[:b, None]
+        return pad.view(b, 1, 1, skv).to(device)
+    if kind == "bool_expanded":        # (Sq, Skv) expanded to (B, Hq, Sq, Skv) with stride 0
+        return rand_bool(sq, skv).expand(b, h, sq, skv)
+    if kind == "bool_2d":              # (Sq, Skv), broadcast by rank
+        return rand_bool(sq, skv)
+    if kind == "bool_empty_rows":      # some query rows see nothing at all
+        mask = rand_bool(b, 1, sq, skv)
+        mask[:, :, ::7] = False
+        return mask
+    if kind == "additive":             # full, with -inf entries
+        return rand_additive(b, h, sq, skv)
+    if kind == "additive_heads":       # (1, Hq, Sq, Skv)
+        return rand_additive(1, h, sq, skv)
+    if kind == "additive_finfo_min":   # transformers' style: finfo.min for hidden keys
+        mask = torch.zeros(b, 1, sq, skv, dtype=dtype)
+        mask[:, :, :, : skv // 4] = torch.finfo(dtype).min
+        return mask.to(device)
+    raise ValueError(kind)
+
+
+def make_inputs(case: Case, device, dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(heads, seq):
+        if case.strided:
+            t = torch.randn(case.batch, seq, heads, case.head_dim, generator=g)
+            return t.to(device=device, dtype=dtype).transpose(1, 2)
+        t = torch.randn(case.batch, heads, seq, case.head_dim, generator=g)
+        return t.to(device=device, dtype=dtype)
+
+    q = rand(case.heads_q, case.seq_q)
+    k = rand(case.heads_kv, case.seq_kv)
+    v = rand(case.heads_kv, case.seq_kv)
+    mask = None if case.mask is None else make_mask(case.mask, case, device, dtype)
+    return q, k, v, mask
+
+
+def op_kwargs(case: Case) -> dict:
+    return dict(is_causal=case.causal, window=case.window, softcap=case.softcap, scale=case.scale)
+
+
+_BASE = Case()
+SEMANTIC_CASES = [
+    _BASE,
+    replace(_BASE, causal=True),
+    replace(_BASE, heads_q=8, heads_kv=1, causal=True),                  # MQA
+    replace(_BASE, heads_kv=4),                                          # MHA
+    replace(_BASE, seq_q=40, seq_kv=200, causal=True),                   # Sq < Skv, bottom-right
+    replace(_BASE, seq_q=150, seq_kv=70, causal=True),                   # Sq > Skv: empty rows
+    replace(_BASE, seq_q=1, seq_kv=333, causal=True),                    # decode
+    replace(_BASE, seq_q=1, seq_kv=333, window=64, causal=True),         # decode, windowed
+    replace(_BASE, causal=True, window=17),
+    replace(_BASE, window=9),                                            # symmetric window
+    replace(_BASE, seq_q=50, seq_kv=180, causal=True, window=33),
+    replace(_BASE, softcap=5.0, causal=True),
+    replace(_BASE, softcap=2.0, scale=0.3),
+    replace(_BASE, strided=True, causal=True),
+    replace(_BASE, seq_q=77, seq_kv=131, mask="bool"),
+    replace(_BASE, mask="bool_keypad", causal=True),
+    replace(_BASE, mask="bool_expanded"),
+    replace(_BASE, mask="bool_2d", softcap=3.0),
+    replace(_BASE, mask="bool_empty_rows", causal=True),
+    replace(_BASE, seq_q=64, seq_kv=100, mask="additive"),
+    replace(_BASE, mask="additive_heads", causal=True, window=40),
+    replace(_BASE, mask="additive_finfo_min"),
+    replace(_BASE, mask="bool_keypad", strided=True, window=20, causal=True, softcap=4.0),
+] + [replace(_BASE, head_dim=d, causal=True) for d in (16, 80, 96, 112, 128, 256)]

@@ -1,0 +1,87 @@
+"""GPU: the cuTile kernel against the fp64 definition, with poisoned outputs.
+
+Run on a CUDA machine with cuda-tile installed: ``pytest -m gpu tests``. Skipped elsewhere.
+"""
+
+import math
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from hf_tiled_attention import Schedule
+from semantics import SEMANTIC_CASES, Case, definition, make_inputs, op_kwargs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Max abs error allowed vs fp64 for N(0, 1) inputs (outputs are O(1)).
+TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2, torch.float32: 4e-3}
+
+
+@pytest.fixture(autouse=True)
+def _kernel_required():
+    if not hta.kernel_available(torch.device("cuda", torch.cuda.current_device())):
+        pytest.fail("CUDA is present but the cuTile kernel is not available (is cuda-tile installed?)")
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill the caching allocator's free blocks with NaN so unwritten outputs show up."""
+    blocks = [torch.full((nbytes // 4 + 1024,), math.nan, device="cuda") for _ in range(4)]
+    del blocks
+
+
+def check_case(case: Case, dtype, schedule=None, seed=0):
+    q, k, v, mask = make_inputs(case, "cuda", dtype, seed=seed)
+    poison_allocator(q.numel() * 4)
+    out, lse = hta.tiled_attention(q, k, v, mask, return_lse=True, schedule=schedule,
+                                   **op_kwargs(case))
+    torch.cuda.synchronize()
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(case))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in output: unwritten or broken rows"
+    err = (out.double() - want_out).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs err {err:.3g} > {TOLERANCE[dtype]}"
+    empty = want_lse.isinf()
+    assert torch.equal(lse.isinf(), empty)
+    assert (out[empty] == 0).all()
+    lse_err = (lse[~empty].double() - want_lse[~empty]).abs().max().item() if (~empty).any() else 0
+    assert lse_err <= 1e-2, f"lse err {lse_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SEMANTIC_CASES, ids=lambda c: c.name)
+def test_kernel_matches_definition(case, dtype):
+    check_case(case, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_kernel_fp32_inputs_tf32(head_dim):
+    check_case(Case(head_dim=head_dim, causal=True, seq_q=200, seq_kv=200), torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", range(16, 257, 8))
+def test_every_head_dim(head_dim):
+    check_case(Case(head_dim=head_dim, seq_q=130, seq_kv=130, causal=True), torch.bfloat16)
+
+
+@pytest.mark.parametrize("schedule", [
+    Schedule(tile_m=64, tile_n=64), Schedule(tile_m=128, tile_n=128), Schedule(tile_m=64, tile_n=32),
+    Schedule(tile_m=128, tile_n=64, occupancy=2, heavy_first=False), Schedule(k_latency=6, v_latency=6),
+], ids=str)
+def test_schedules_agree(schedule):
+    for case in (Case(causal=True, seq_q=300, seq_kv=300, mask="bool_keypad"),
+                 Case(seq_q=100, seq_kv=257, window=50, softcap=10.0)):
+        check_case(case, torch.bfloat16, schedule=schedule)
+
+
+def test_long_sequence_gqa_causal_window():
+    check_case(Case(batch=1, heads_q=8, heads_kv=2, seq_q=2048, seq_kv=2048, head_dim=128,
+                    causal=True, window=300), torch.bfloat16)
+
+
+def test_fresh_random_inputs_each_run():
+    for seed in range(3):
+        check_case(Case(causal=True, mask="bool", seq_q=129, seq_kv=129), torch.float16, seed=seed)

@@ -1,0 +1,38 @@
+import dataclasses
+
+import pytest
+import torch
+
+from hf_tiled_attention import Schedule, default_schedule, use_schedule
+from hf_tiled_attention.schedule import head_dim_tile, resolve_schedule
+
+
+@pytest.mark.parametrize("head_dim", range(16, 257, 8))
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_table_is_complete(head_dim, causal):
+    schedule = default_schedule(9, torch.bfloat16, head_dim, causal)
+    assert all(getattr(schedule, f.name) is not None for f in dataclasses.fields(schedule))
+
+
+def test_head_dim_tiles():
+    assert [head_dim_tile(d) for d in (16, 24, 64, 80, 96, 128, 136, 256)] == \
+        [16, 32, 64, 128, 128, 128, 256, 256]
+
+
+def test_override_layers():
+    base = default_schedule(9, torch.float16, 128, True)
+    with use_schedule(Schedule(tile_n=32, occupancy=2)):
+        got = resolve_schedule(Schedule(tile_n=128), 9, torch.float16, 128, True)
+        assert got == dataclasses.replace(base, tile_n=128, occupancy=2)
+    assert resolve_schedule(None, 9, torch.float16, 128, True) == base
+
+
+def test_list_round_trip():
+    for schedule in (Schedule(), Schedule(tile_m=64, heavy_first=False, k_latency=3)):
+        assert Schedule.from_list(schedule.as_list()) == schedule
+
+
+def test_use_schedule_type_error():
+    with pytest.raises(TypeError, match="use_schedule expects a Schedule"):
+        with use_schedule({"tile_m": 64}):
+            pass
