@@ -107,55 +107,20 @@ def attention_forward(
     mma_dtype = ct.tfloat32 if Q.dtype == ct.float32 else Q.dtype
     q = q.astype(mma_dtype)
 
-    for j in range(first_tile, end_tile):
-        state = TILE_FULL
-        if MASK_KIND != 0:
-            state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
-        if state != TILE_EMPTY:
-            k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
-                        order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
-                        latency=K_LATENCY).reshape((TILE_D, TILE_N))
-            qk = ct.mma(q, k.astype(mma_dtype), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-            if SOFTCAP:
-                s = ct.tanh(qk * score_scale) * softcap_out
-            else:
-                s = qk * score_scale
-
-            tile_start = j * TILE_N
-            if tile_start < lo_all or tile_start + TILE_N > hi_all:
-                cols = tile_start + col_in_tile
-                visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
-                if CAUSAL:
-                    visible = visible & (cols <= row_pos)
-                if WINDOWED:
-                    visible = visible & (cols > row_pos - window)
-                    if not CAUSAL:
-                        visible = visible & (cols < row_pos + window)
-                s = ct.where(visible, s, -math.inf)
-            if state == TILE_PARTIAL:
-                mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
-                               shape=(1, 1, MASK_TILE_M, TILE_N),
-                               padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
-                if MASK_KIND == 1:
-                    s = ct.where(mask != 0, s, -math.inf)
-                else:
-                    s = s + mask.astype(ct.float32)
-
-            m_new = max(m_i, ct.max(s, axis=-1, keepdims=True))
-            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
-            if SCORE_UNIT == 1.0:
-                p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
-                alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
-            else:
-                p = ct.exp2(s - m_shift, flush_to_zero=True)
-                alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
-            l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-            v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                        padding_mode=ct.PaddingMode.ZERO,
-                        latency=V_LATENCY).reshape((TILE_N, TILE_D))
-            acc = ct.mma(p.astype(mma_dtype), v.astype(mma_dtype), acc * alpha)
-            m_i = m_new
+    # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range: they skip
+    # the per-element mask (only a dense mask, if any, still applies to them).
+    full_lo = min(max(ct.cdiv(lo_all, TILE_N), first_tile), end_tile)
+    full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
+    tile_args = (q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
+                 col_in_tile, seq_kv, window, score_scale, softcap_out, mma_dtype)
+    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, TILE_M, TILE_N,
+                   TILE_D, K_LATENCY, V_LATENCY)
+    for j in range(first_tile, full_lo):
+        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, True, *tile_consts)
+    for j in range(full_lo, full_hi):
+        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, False, *tile_consts)
+    for j in range(full_hi, end_tile):
+        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, True, *tile_consts)
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0.0
@@ -165,3 +130,60 @@ def attention_forward(
     if WRITE_LSE:
         lse = ct.where(seen, m_i / SCORE_UNIT + ct.log(ct.where(seen, l_i, 1.0)), -math.inf)
         ct.store(Lse, index=(batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))
+
+
+def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h,
+                 mask_m, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out,
+                 mma_dtype, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
+                 SCORE_UNIT, TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY):
+    """One online-softmax step over key tile ``j``; returns the updated (m, l, acc)."""
+    state = TILE_FULL
+    if MASK_KIND != 0:
+        state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
+    if state != TILE_EMPTY:
+        k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
+                    order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
+                    latency=K_LATENCY).reshape((TILE_D, TILE_N))
+        qk = ct.mma(q, k.astype(mma_dtype), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        if SOFTCAP:
+            s = ct.tanh(qk * score_scale) * softcap_out
+        else:
+            s = qk * score_scale
+
+        if GEOMETRIC_MASK:
+            cols = j * TILE_N + col_in_tile
+            visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
+            if CAUSAL:
+                visible = visible & (cols <= row_pos)
+            if WINDOWED:
+                visible = visible & (cols > row_pos - window)
+                if not CAUSAL:
+                    visible = visible & (cols < row_pos + window)
+            s = ct.where(visible, s, -math.inf)
+        if state == TILE_PARTIAL:
+            mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
+                           shape=(1, 1, MASK_TILE_M, TILE_N),
+                           padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
+            if MASK_KIND == 1:
+                s = ct.where(mask != 0, s, -math.inf)
+            else:
+                s = s + mask.astype(ct.float32)
+
+        m_new = max(m_i, ct.max(s, axis=-1, keepdims=True))
+        m_shift = m_new
+        if GEOMETRIC_MASK or MASK_KIND != 0:
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
+        if SCORE_UNIT == 1.0:
+            p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
+            alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
+        else:
+            p = ct.exp2(s - m_shift, flush_to_zero=True)
+            alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+        l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                    padding_mode=ct.PaddingMode.ZERO,
+                    latency=V_LATENCY).reshape((TILE_N, TILE_D))
+        acc = ct.mma(p.astype(mma_dtype), v.astype(mma_dtype), acc * alpha)
+        m_i = m_new
+    return m_i, l_i, acc
