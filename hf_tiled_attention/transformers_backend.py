@@ -1,0 +1,459 @@
+"""transformers integration: ``attn_implementation="tiled"``.
+
+Importing ``hf_tiled_attention`` calls :func:`register`, which adds two entries under one name:
+
+* ``transformers.AttentionInterface["tiled"]``: :func:`tiled_attention_forward`, the attention
+  function every model calls as ``(module, query, key, value, attention_mask, *, scaling,
+  dropout, **kwargs)``;
+* ``transformers.masking_utils.AttentionMaskInterface["tiled"]``: :func:`tiled_mask`, the mask
+  builder ``create_causal_mask`` / ``create_sliding_window_causal_mask`` /
+  ``create_bidirectional_mask`` call. Without it transformers would hand a custom backend
+  ``attention_mask=None`` and padded batches would silently attend to padding.
+
+Mask design
+-----------
+Whatever the mask builder returns reaches the attention function untouched (the models only put
+it in a per-layer-type dict), so :func:`tiled_mask` returns a small :class:`TiledMask`
+description instead of an ``O(Sq x Skv)`` tensor:
+
+* ``key_mask``: the padding of the keys as a ``(B, 1, 1, Skv)`` bool tensor, or ``None`` when
+  nothing is padded. The kernel streams it per key tile: ``O(B * Skv)`` memory.
+* ``causal`` / ``window`` / ``diag_offset``: the kernel's own causal and sliding-window logic.
+  transformers describes a mask by absolute positions: query ``i`` is at ``q_offset + i`` and key
+  ``j`` at ``kv_offset + j`` (``kv_offset > 0`` for sliding-window caches that dropped old keys),
+  so ``diag_offset = q_offset - kv_offset``. This one number covers DynamicCache
+  (bottom-right), StaticCache (its prefill has K/V longer than the prompt: position aligned),
+  sliding-window caches, chunked prefill and assisted decoding (``Sq > 1`` with a cache).
+* ``dense``: a full ``(B, 1, Sq, Skv)`` bool mask, used ONLY where no compact form exists:
+    1. the mask pattern is not plain causal / sliding-causal / bidirectional /
+       sliding-bidirectional, i.e. transformers wrapped it: packed sequences detected from
+       restarting ``position_ids`` (per-document masks), ``or_mask_function`` /
+       ``and_mask_function`` overlays (e.g. bidirectional image tokens), ``block_sequence_ids``,
+       chunked attention (Llama 4), or any user-supplied pattern;
+    2. under ``torch.compile`` with a StaticCache and ``Sq > 1`` (compiled chunked prefill), where
+       the query offset is a traced tensor that cannot become the kernel's integer diagonal
+       without a graph break. (Compiled decoding, ``Sq == 1``, stays compact: the causal/window
+       limits become part of the ``(B, 1, 1, Skv)`` key vector.)
+  When ``dense`` is set the kernel's causal/window flags are off: the mask holds everything.
+
+The attention function additionally builds a per-document ``(B, 1, Sq, Skv)`` mask for packed
+sequences signalled only through its kwargs (``cu_seq_lens_q/k`` from
+``DataCollatorWithFlattening``, or restarting ``position_ids`` when transformers did not already
+mask them because a cache was passed). A user-given 4-D mask is passed to the op as is (it is
+already dense; the op keeps its broadcast dims compact).
+
+A kernel/op feature that would remove fallback 1 for packed sequences: per-token document ids
+(or ``cu_seq_lens``) for queries and keys, compared per tile like the causal rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .checks import check_inputs
+from .op import attention as _op_attention
+
+__all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
+
+DEFAULT_NAME = "tiled"
+
+
+@dataclass
+class TiledMask:
+    """Compact mask description handed from :func:`tiled_mask` to :func:`tiled_attention_forward`."""
+
+    causal: bool
+    window: Optional[int]
+    diag_offset: int
+    key_mask: Optional[torch.Tensor] = None  # (B, 1, 1, Skv) bool, True = may attend
+    dense: Optional[torch.Tensor] = None  # (B, 1, Sq, Skv) bool fallback, holds everything
+    shape: tuple = ()  # (B, 1, Sq, Skv) of the mask it describes
+    # Per-forward memo shared by all layers that get this object (packed position_ids).
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def tensor(self) -> Optional[torch.Tensor]:
+        return self.dense if self.dense is not None else self.key_mask
+
+    # generate() with a compileable (static) cache builds the masks ahead of the forward and hands
+    # them back in as `attention_mask`; transformers' `_preprocess_mask_arguments` then asks for
+    # `.ndim` (not 2 -> not a padding mask) and the mask function gets this object back, which it
+    # returns unchanged.
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def dim(self) -> int:
+        return 4
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # very old torch
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask pattern recognition
+# ---------------------------------------------------------------------------------------------
+
+def _closure_vars(fn) -> dict[str, Any]:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return out
+
+
+def _qualname(fn) -> str:
+    return getattr(fn, "__qualname__", "")
+
+
+def _classify(mask_function) -> Optional[tuple[bool, Optional[int]]]:
+    """Return ``(causal, window)`` (window in the op's convention) for the patterns the kernel
+    can express itself, or ``None`` for anything else (-> dense fallback)."""
+    from transformers import masking_utils as mu
+
+    if mask_function is getattr(mu, "causal_mask_function", None):
+        return True, None
+    if mask_function is getattr(mu, "bidirectional_mask_function", None):
+        return False, None
+    # sliding_window_causal_mask_function(W) = and_masks(sliding_window_overlay(W), causal)
+    # sliding_window_bidirectional_mask_function(W) =
+    #     and_masks(sliding_window_bidirectional_overlay(W), bidirectional)
+    if _qualname(mask_function).startswith("and_masks."):
+        parts = _closure_vars(mask_function).get("mask_functions")
+        if not isinstance(parts, tuple) or len(parts) != 2:
+            return None
+        base = [p for p in parts if p is mu.causal_mask_function
+                or p is getattr(mu, "bidirectional_mask_function", None)]
+        overlay = [p for p in parts if p not in base]
+        if len(base) != 1 or len(overlay) != 1:
+            return None
+        window = _closure_vars(overlay[0]).get("sliding_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            return None
+        name = _qualname(overlay[0])
+        if base[0] is mu.causal_mask_function and name.startswith("sliding_window_overlay."):
+            # kv_idx > q_idx - W: exactly the op's window W.
+            return True, window
+        if (base[0] is not mu.causal_mask_function
+                and name.startswith("sliding_window_bidirectional_overlay.")):
+            # |q_idx - kv_idx| <= W: the op's symmetric window is |d| < W', so W' = W + 1.
+            return False, window + 1
+    return None
+
+
+def _classify_traced(mask_function, *, local_size=None, use_vmap=False, config=None,
+                     allow_is_causal_skip=None, allow_is_bidirectional_skip=None,
+                     **_) -> Optional[tuple[bool, Optional[int]]]:
+    """:func:`_classify` for code under ``torch.compile``, where dynamo cannot read a closure
+    (``__closure__``), so wrapped patterns are recognised from how transformers' mask creators
+    call us instead (identical in 5.17 and 5.24):
+
+    * ``create_sliding_window_causal_mask`` passes ``local_size=config.sliding_window`` and keeps
+      ``allow_is_causal_skip`` True unless it wrapped the pattern (packing, block ids, or/and
+      overlays: those also set ``use_vmap`` or clear ``allow_is_causal_skip``);
+    * ``create_bidirectional_sliding_window_mask`` passes ``local_size``, ``allow_is_causal_skip``
+      False and ``allow_is_bidirectional_skip`` True unless it wrapped the pattern.
+
+    Anything ambiguous returns None (dense fallback). The one plain pattern that lands there is
+    sliding-window decoding with a compileable cache (transformers clears the skip flag then), and
+    its dense mask is ``(B, 1, 1, Skv)``: compact anyway.
+    """
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is getattr(mu, "bidirectional_mask_function", None):
+        return False, None
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if (use_vmap or local_size is None or local_size != window or local_size == chunk
+            or isinstance(local_size, bool) or not isinstance(local_size, int)):
+        return None
+    if allow_is_causal_skip is True:
+        return True, local_size
+    if allow_is_causal_skip is False and allow_is_bidirectional_skip is True:
+        return False, local_size + 1
+    return None
+
+
+def _as_int(x) -> Any:
+    if isinstance(x, torch.Tensor):
+        return int(x.item())
+    return int(x)
+
+
+def _padding_slice(attention_mask: Optional[torch.Tensor], batch_size: int, kv_length: int,
+                   kv_offset, device) -> Optional[torch.Tensor]:
+    """Key-padding vector of the current keys, ``(B, kv_length)`` bool, or None."""
+    if attention_mask is None:
+        return None
+    pad = attention_mask.to(device=device, dtype=torch.bool)
+    if pad.dim() != 2:
+        raise ValueError(f"tiled: expected a 2-D padding mask, got shape {tuple(pad.shape)}")
+    need = kv_length + kv_offset
+    if pad.shape[-1] < need:  # StaticCache: positions not written yet are not attendable
+        pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
+    pad = pad[:, kv_offset:kv_offset + kv_length]
+    if pad.shape[0] != batch_size:
+        pad = pad.expand(batch_size, -1)
+    return pad
+
+
+def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+               mask_function=None, attention_mask: Optional[torch.Tensor] = None,
+               local_size: Optional[int] = None, use_vmap: bool = False, device="cpu",
+               **kwargs) -> TiledMask:
+    """``AttentionMaskInterface`` entry: called by transformers' ``create_*_mask`` with the
+    arguments it gives ``sdpa_mask`` (5.17 to 5.24: ``q_offset``/``kv_offset``, the pattern's
+    ``mask_function``, the 2-D padding ``attention_mask``, ``local_size``, ``allow_*_skip``,
+    ``dtype``, ``config``, ``use_vmap``, ``device``); unknown extras are ignored."""
+    from transformers import masking_utils as mu
+
+    if isinstance(attention_mask, TiledMask):  # prepared ahead (generate + static cache)
+        return attention_mask
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    if "cache_position" in kwargs and kwargs["cache_position"] is not None and q_offset == 0:
+        # Older call convention: absolute query positions instead of an offset.
+        q_offset = kwargs["cache_position"][0]
+    if isinstance(kv_offset, torch.Tensor):
+        kv_offset = _as_int(kv_offset)
+    if _compiling():
+        pattern = _classify_traced(mask_function, local_size=local_size, use_vmap=use_vmap,
+                                   **kwargs)
+    else:
+        pattern = _classify(mask_function)
+    shape = (batch_size, 1, q_length, kv_length)
+
+    def dense_fallback() -> TiledMask:
+        dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                             q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                             attention_mask=attention_mask, allow_is_causal_skip=False,
+                             allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+        return TiledMask(causal=False, window=None, diag_offset=0, dense=dense, shape=shape)
+
+    if pattern is None:
+        # Fallback 1 (see module docstring): a pattern the kernel cannot express.
+        return dense_fallback()
+    causal, window = pattern
+    pad = _padding_slice(attention_mask, batch_size, kv_length, kv_offset, device)
+    compiling = _compiling()
+
+    if isinstance(q_offset, torch.Tensor) and compiling:
+        # StaticCache under torch.compile: the offset is a traced tensor.
+        if q_length != 1:
+            return dense_fallback()  # fallback 2
+        # Decoding: fold the causal/window limits into the key vector, still (B, 1, 1, Skv).
+        kv_pos = torch.arange(kv_length, device=device) + kv_offset
+        q_pos = q_offset.to(device).reshape(())
+        visible = torch.ones(kv_length, dtype=torch.bool, device=device)
+        if causal:
+            visible = visible & (kv_pos <= q_pos)
+            if window is not None:
+                visible = visible & (kv_pos > q_pos - window)
+        elif window is not None:
+            visible = visible & ((kv_pos - q_pos).abs() < window)
+        visible = visible.expand(batch_size, kv_length)
+        if pad is not None:
+            visible = visible & pad
+        return TiledMask(causal=False, window=None, diag_offset=0,
+                         key_mask=visible[:, None, None, :], shape=shape)
+
+    diag_offset = _as_int(q_offset) - kv_offset
+    key_mask = None
+    if pad is not None:
+        # Drop the vector when nothing is padded (not while tracing: that needs the values).
+        if compiling or not bool(pad.all()):
+            key_mask = pad[:, None, None, :]
+    return TiledMask(causal=causal, window=window, diag_offset=diag_offset, key_mask=key_mask,
+                     shape=shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences
+# ---------------------------------------------------------------------------------------------
+
+def _doc_mask_from_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, seq_q: int, seq_kv: int,
+                              causal: bool, window: Optional[int]) -> torch.Tensor:
+    """(1, 1, Sq, Skv) bool: per-document (bottom-right aligned per document, like FlashAttention
+    varlen) causal/window mask. Tokens past the last boundary see nothing."""
+    device = cu_q.device
+    cu_q = cu_q.to(torch.long)
+    cu_k = cu_k.to(device=device, dtype=torch.long)
+    rows = torch.arange(seq_q, device=device)
+    cols = torch.arange(seq_kv, device=device)
+    doc_q = torch.searchsorted(cu_q, rows, right=True) - 1
+    doc_k = torch.searchsorted(cu_k, cols, right=True) - 1
+    n_docs = cu_q.numel() - 1
+    valid_q = rows < cu_q[-1]
+    valid_k = cols < cu_k[-1]
+    doc_q_c = doc_q.clamp(0, max(n_docs - 1, 0))
+    doc_k_c = doc_k.clamp(0, max(n_docs - 1, 0))
+    local_q = rows - cu_q[doc_q_c]
+    local_k = cols - cu_k[doc_k_c]
+    # Diagonal per document (query document's lengths): local key <= local query + (Lk - Lq).
+    shift = (cu_k[doc_q_c + 1] - cu_k[doc_q_c]) - (cu_q[doc_q_c + 1] - cu_q[doc_q_c])
+    pos = (local_q + shift)[:, None]
+    visible = (doc_q[:, None] == doc_k[None, :]) & valid_q[:, None] & valid_k[None, :]
+    if causal:
+        visible = visible & (local_k[None, :] <= pos)
+    if window is not None:
+        visible = visible & (local_k[None, :] > pos - window)
+        if not causal:
+            visible = visible & (local_k[None, :] < pos + window)
+    return visible[None, None]
+
+
+def _doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document index per token: a new document starts wherever the position does not
+    continue the previous one by exactly 1."""
+    first = position_ids[:, :1] - 1
+    diff = torch.diff(position_ids, prepend=first, dim=-1)
+    return (diff != 1).cumsum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+
+def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry. ``query`` ``(B, Hq, Sq, D)`` (a strided view is fine),
+    ``key``/``value`` ``(B, Hkv, Skv, D)`` with unrepeated KV heads. Returns
+    ``(out (B, Sq, Hq, D), None)``."""
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False) is True:
+        raise ValueError(
+            "attn_implementation='tiled' does not compute attention weights "
+            "(output_attentions=True). Use attn_implementation='eager' to get them.")
+    if dropout and getattr(module, "training", False):
+        raise ValueError(
+            f"attn_implementation='tiled' is an inference kernel and has no attention dropout, "
+            f"but the module is in training mode with dropout={dropout}. Call model.eval(), set "
+            "the attention dropout to 0, or use attn_implementation='sdpa' for training.")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("attn_implementation='tiled' does not support position_bias; "
+                         "use attn_implementation='eager' or 'sdpa'.")
+    check_inputs(query, key, value)
+    batch, _, seq_q, _ = query.shape
+    seq_kv = key.shape[2]
+    softcap = kwargs.get("softcap")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
+
+    mask: Optional[torch.Tensor]
+    memo: Optional[dict] = None
+    if isinstance(attention_mask, TiledMask):
+        causal, window = attention_mask.causal, attention_mask.window
+        diag_offset = attention_mask.diag_offset
+        mask = attention_mask.tensor
+        has_padding = attention_mask.key_mask is not None
+        is_dense = attention_mask.dense is not None
+        memo = attention_mask._memo
+    elif attention_mask is None:
+        # No mask from transformers (e.g. a mask builder that early-exited): trust the module.
+        causal = is_causal
+        window = kwargs.get("sliding_window")
+        diag_offset = seq_kv - seq_q
+        mask, has_padding, is_dense = None, False, False
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        # A raw 2-D padding mask (B, Skv): keep it compact.
+        causal = is_causal
+        window = kwargs.get("sliding_window")
+        diag_offset = seq_kv - seq_q
+        mask = attention_mask[:, -seq_kv:].to(torch.bool)[:, None, None, :]
+        has_padding, is_dense = True, False
+    elif isinstance(attention_mask, torch.Tensor):
+        # A 4-D mask transformers passed through untouched (user-given): it holds the whole
+        # pattern, as for eager/sdpa. Slice away keys it does not cover (static caches).
+        mask = attention_mask[..., :seq_kv]
+        if mask.shape[-1] != seq_kv:
+            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {seq_kv}")
+        causal, window, diag_offset = False, None, 0
+        has_padding, is_dense = True, True
+    else:
+        raise TypeError(f"attn_implementation='tiled' got an attention_mask of type "
+                        f"{type(attention_mask).__name__}; expected a tensor, None or the "
+                        "TiledMask built by its registered mask function")
+
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    if cu_q is not None or cu_k is not None:
+        # Packed varlen batch (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        if batch != 1:
+            raise ValueError("cu_seq_lens_q/k describe one flattened sequence, so the batch size "
+                             f"must be 1, got {batch}")
+        docs = None if memo is None else memo.get("cu")
+        if docs is None or docs[0] is not cu_q or docs[1] is not cu_k:
+            doc_mask = _doc_mask_from_cu_seqlens(cu_q, cu_k, seq_q, seq_kv, causal, window)
+            docs = (cu_q, cu_k, doc_mask)
+            if memo is not None and not _compiling():
+                memo["cu"] = docs
+        doc_mask = docs[2]
+        if mask is None:
+            mask = doc_mask
+        elif mask.dtype == torch.bool:
+            mask = doc_mask & mask
+        else:  # additive: keep its biases, hide other documents
+            mask = mask.masked_fill(~doc_mask, float("-inf"))  # holds the causal/window rules per document
+        causal, window, diag_offset = False, None, 0
+    elif (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and not is_dense
+          and not has_padding and seq_q == seq_kv and seq_q > 1 and diag_offset == 0
+          and not _compiling()):
+        # Restarting position_ids mark packed documents (FlashAttention's convention, used when
+        # no padding mask exists). transformers masks them itself when no cache is passed (we
+        # then get a dense mask and skip this); with a cache it would not.
+        entry = None if memo is None else memo.get("pos")
+        if entry is None or entry[0] is not position_ids:
+            pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+            doc_mask = None
+            if pos.shape == (batch, seq_q):
+                ids = _doc_ids_from_position_ids(pos)
+                if bool((ids[:, -1] != 0).any()):
+                    doc_mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+            entry = (position_ids, doc_mask)
+            if memo is not None:
+                memo["pos"] = entry
+        if entry[1] is not None:
+            mask = entry[1]
+
+    out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
+                           window=window, softcap=softcap, diag_offset=diag_offset)
+    return out.transpose(1, 2), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register the attention function and its mask function under ``name`` in transformers'
+    ``AttentionInterface`` and ``AttentionMaskInterface``. Returns ``name``; use it as
+    ``attn_implementation=name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, tiled_attention_forward)
+    AttentionMaskInterface.register(name, tiled_mask)
+    return name

@@ -1,0 +1,180 @@
+"""Plain forward: tiled vs eager logits on non-pad positions (CPU, fp32)."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import hf_tiled_attention
+from hf_tiled_attention import transformers_backend as tb
+from models import ALL_MODELS, SLIDING_MODELS, build, make_config, padded_batch, pair
+
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_padded_forward_matches_eager(name, side):
+    tiled, eager = pair(name)
+    ids, mask = padded_batch([13, 20, 7], 20, side, seed=1)
+    with torch.no_grad():
+        lt = tiled(ids, attention_mask=mask).logits
+        le = eager(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert torch.isfinite(lt).all()
+    torch.testing.assert_close(lt[keep], le[keep], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_unpadded_forward_matches_eager(name):
+    tiled, eager = pair(name)
+    ids = torch.randint(3, 128, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(ids).logits, eager(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_window_actually_bites():
+    """Negative control: the sliding window changes the result at these lengths."""
+    tiled, _ = pair("mistral")
+    cfg = copy.deepcopy(make_config("mistral"))
+    cfg.sliding_window = None
+    no_window = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    no_window.load_state_dict(tiled.state_dict())
+    no_window.eval()
+    ids = torch.randint(3, 128, (1, 20))
+    with torch.no_grad():
+        diff = (tiled(ids).logits - no_window(ids).logits).abs().max()
+    assert diff > 1e-2
+
+
+def test_fully_padded_rows_are_zero_not_nan():
+    """A query row with no visible key (a left-pad position) gives 0 attention output."""
+    tiled, _ = pair("llama")
+    ids, mask = padded_batch([5, 12], 12, "left")
+    seen = []
+    layer = tiled.model.layers[0].self_attn
+    hook = layer.register_forward_hook(lambda m, a, out: seen.append(out[0].detach()))
+    try:
+        with torch.no_grad():
+            logits = tiled(ids, attention_mask=mask).logits
+    finally:
+        hook.remove()
+    assert torch.isfinite(logits).all()
+    # attention output before o_proj is zero -> o_proj(0) = 0 (no bias in Llama)
+    assert seen[0][0, :7].abs().max() == 0
+
+
+def test_mask_passed_to_op_is_compact(monkeypatch):
+    """Causal, sliding-window and padding masks never reach the op as an O(Sq x Skv) tensor."""
+    shapes = []
+    real = tb._op_attention
+
+    def spy(q, k, v, mask, **kw):
+        shapes.append((None if mask is None else tuple(mask.shape), kw["causal"], kw["window"]))
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(tb, "_op_attention", spy)
+    tiled = build("qwen2", "tiled")
+    ids, mask = padded_batch([9, 16], 16, "left")
+    with torch.no_grad():
+        tiled(ids, attention_mask=mask)
+        tiled(ids[1:], attention_mask=mask[1:])  # unpadded row: no mask at all
+        tiled.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert shapes
+    for shape, causal, _ in shapes:
+        assert causal
+        assert shape is None or shape[2] == 1, shape
+    assert (2, 1, 1, 16) in [s for s, _, _ in shapes]
+    assert (None, True, None) in shapes and (None, True, 6) in shapes
+
+
+def test_mask_function_outputs():
+    from transformers import masking_utils as mu
+
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    m = tb.tiled_mask(batch_size=2, q_length=5, kv_length=5, mask_function=mu.causal_mask_function,
+                      attention_mask=pad)
+    assert m.causal and m.window is None and m.diag_offset == 0 and m.dense is None
+    assert m.key_mask.shape == (2, 1, 1, 5)
+    m = tb.tiled_mask(batch_size=2, q_length=5, kv_length=5, mask_function=mu.causal_mask_function,
+                      attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert m.key_mask is None
+    # sliding-window cache: keys start at position 3, queries at 7 -> diagonal 4
+    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=7, kv_offset=3,
+                      mask_function=mu.sliding_window_causal_mask_function(5), local_size=5)
+    assert (m.causal, m.window, m.diag_offset) == (True, 5, 4)
+    m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4,
+                      mask_function=mu.sliding_window_bidirectional_mask_function(2))
+    assert (m.causal, m.window) == (False, 3)
+    m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4,
+                      mask_function=mu.bidirectional_mask_function)
+    assert (m.causal, m.window, m.key_mask, m.dense) == (False, None, None, None)
+    # unknown pattern (e.g. packed documents): dense fallback equal to sdpa's mask
+    fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2) == (k // 2))
+    m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
+    want = mu.sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn,
+                        allow_is_causal_skip=False)
+    assert not m.causal and m.dense is not None and torch.equal(m.dense, want)
+
+
+@pytest.mark.parametrize("name", SLIDING_MODELS)
+def test_mask_compactness_bidirectional(name):
+    """config.is_causal=False routes through create_bidirectional*_mask: compact too."""
+    from transformers import masking_utils as mu
+
+    cfg = make_config(name)
+    cfg._attn_implementation = "tiled"
+    emb = torch.zeros(2, 7, 64)
+    pad = torch.ones(2, 7, dtype=torch.long)
+    pad[0, :2] = 0
+    m = mu.create_bidirectional_mask(cfg, emb, pad)
+    assert isinstance(m, tb.TiledMask) and not m.causal and m.key_mask.shape == (2, 1, 1, 7)
+
+
+def test_output_attentions_is_a_clear_error():
+    tiled, _ = pair("llama")
+    with pytest.raises(ValueError, match="output_attentions"):
+        with torch.no_grad():
+            tiled(torch.randint(3, 128, (1, 5)), output_attentions=True)
+
+
+def test_training_dropout_is_a_clear_error():
+    cfg = copy.deepcopy(make_config("llama"))
+    cfg.attention_dropout = 0.1
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="tiled")
+    model.train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(torch.randint(3, 128, (1, 5)))
+    model.eval()  # dropout is 0 at inference
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 5)))
+
+
+def test_register_explicit_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert hf_tiled_attention.register(name="tiled_alias") == "tiled_alias"
+    assert AttentionInterface._global_mapping["tiled_alias"] is tb.tiled_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["tiled_alias"] is tb.tiled_mask
+    assert ALL_MASK_ATTENTION_FUNCTIONS["tiled"] is tb.tiled_mask
+    model = build("mistral", "tiled_alias")
+    _, eager = pair("mistral")
+    ids, mask = padded_batch([4, 9], 9, "left")
+    with torch.no_grad():
+        lt, le = model(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    torch.testing.assert_close(lt[mask.bool()], le[mask.bool()], atol=ATOL, rtol=0)
+
+
+def test_user_4d_mask_matches_eager():
+    """A user-given 4-D mask is passed through by transformers (dense by construction)."""
+    tiled, eager = pair("llama")
+    s = 8
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    allowed[5:, :3] = False  # hide a prefix from the last rows
+    add = torch.zeros(1, 1, s, s).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ids = torch.randint(3, 128, (1, s))
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(ids, attention_mask=add).logits,
+                                   eager(ids, attention_mask=add).logits, atol=ATOL, rtol=0)

@@ -1,0 +1,74 @@
+"""Packed sequences: several documents in one row never attend to each other (CPU, fp32)."""
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from models import build, pair
+
+LENGTHS = [7, 11, 5]  # documents longer than the sliding window (6)
+
+
+def _docs(seed=6):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g) for n in LENGTHS]
+
+
+def _separate_logits(model, docs):
+    with torch.no_grad():
+        return torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "qwen2"])
+def test_restarting_position_ids(name, use_cache):
+    """No cache: transformers detects packing and we get its mask. With a cache it does not;
+    the attention function then honours position_ids itself."""
+    tiled, eager = pair(name)
+    docs = _docs()
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    with torch.no_grad():
+        packed = tiled(ids, position_ids=pos, use_cache=use_cache).logits[0]
+    torch.testing.assert_close(packed, _separate_logits(tiled, docs), atol=1e-4, rtol=0)
+    torch.testing.assert_close(_separate_logits(tiled, docs), _separate_logits(eager, docs),
+                               atol=1e-4, rtol=0)
+    if not use_cache:  # eager masks packed documents only without a cache
+        with torch.no_grad():
+            ref = eager(ids, position_ids=pos, use_cache=False).logits[0]
+        torch.testing.assert_close(packed, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_flattening_collator_cu_seq_lens(name, use_cache):
+    tiled = build(name, "tiled")
+    docs = _docs(7)
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    assert "cu_seq_lens_q" in batch and "position_ids" in batch
+    batch.pop("labels", None)
+    with torch.no_grad():
+        packed = tiled(**batch, use_cache=use_cache).logits[0]
+    torch.testing.assert_close(packed, _separate_logits(tiled, docs), atol=1e-4, rtol=0)
+
+
+def test_cu_seq_lens_alone_isolate_documents():
+    """cu_seq_lens kwargs without restarting position_ids still separate the documents."""
+    tiled = build("mistral", "tiled")
+    docs = _docs(8)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    with torch.no_grad():
+        # use_cache=True keeps transformers from building its own packed mask
+        packed = tiled(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(LENGTHS), max_length_k=max(LENGTHS)).logits[0]
+        # monotone positions: only cu_seq_lens say where documents start
+        mono = tiled(ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS),
+                     max_length_k=max(LENGTHS), use_cache=False).logits[0]
+        crossing = tiled(ids, use_cache=False).logits[0]
+    torch.testing.assert_close(packed, _separate_logits(tiled, docs), atol=1e-4, rtol=0)
+    # first document is unaffected by the position shift; later ones differ from the unpacked run
+    torch.testing.assert_close(mono[:LENGTHS[0]], packed[:LENGTHS[0]], atol=1e-4, rtol=0)
+    assert (mono[LENGTHS[0]:] - crossing[LENGTHS[0]:]).abs().max() > 1e-3

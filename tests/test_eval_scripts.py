@@ -1,0 +1,87 @@
+"""CPU: each eval script end to end at tiny sizes (reference path), writing its CSV."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_kernel_bench_cpu(tmp_path):
+    from eval import kernel_bench
+    assert kernel_bench.main(["--seq", "64", "--head-dim", "32", "--heads", "4/2", "--batch", "1",
+                              "--dtype", "bf16", "--reps", "2", "--warmup", "1",
+                              "--schedule", "tile_m=64,128", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    tiled = [r for r in rows if r["backend"] == "tiled"]
+    assert len(tiled) == 4 and all(r["status"] == "ok" for r in tiled)  # 2 schedules x causal
+    assert {r["schedule"] for r in tiled} == {"tile_m=64", "tile_m=128"}
+    assert all(float(r["max_err"]) < 5e-2 for r in rows if r["status"] == "ok")
+    # CPU SDPA has no cuDNN backend: recorded as unsupported with a reason, not a crash.
+    cudnn = [r for r in rows if r["backend"] == "sdpa_cudnn"]
+    assert cudnn and all(r["status"] == "unsupported" and r["reason"] for r in cudnn)
+    env = json.loads((tmp_path / "environment.json").read_text())
+    assert env["kernel_sweep"]["torch"] == torch.__version__
+    assert (tmp_path / "kernel_sweep.png").exists()
+
+
+def test_kernel_bench_rejects_unknown_schedule_field():
+    from eval import kernel_bench
+    with pytest.raises(SystemExit, match="Schedule field"):
+        kernel_bench.parse_schedules(["tile_q=64"])
+
+
+def test_prefill_cpu(tmp_path):
+    from eval import prefill_throughput
+    assert prefill_throughput.main(["--shapes", "tiny-llama", "--layers", "2", "--seq", "32",
+                                    "--pad-fraction", "0", "0.25", "--batch", "2", "--reps", "1",
+                                    "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "prefill.csv")
+    assert {r["backend"] for r in rows} == {"tiled", "sdpa", "eager"}
+    assert len(rows) == 6 and all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def _tiny_model_with_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    words = "the a cat dog sat on mat and ran far away to see big small red".split()
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def test_perplexity_cpu(tmp_path):
+    from eval import perplexity
+    model_dir = tmp_path / "model"
+    _tiny_model_with_tokenizer(model_dir)
+    text = tmp_path / "story.txt"
+    gen = torch.Generator().manual_seed(1)
+    words = "the a cat dog sat on mat and ran far away to see big small red".split()
+    text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (400,), generator=gen)))
+    code = perplexity.main(["--model", str(model_dir), "--text-file", str(text), "--windows", "32",
+                            "64", "--max-tokens", "256", "--dtypes", "fp32", "bf16",
+                            "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "perplexity.csv")
+    assert len(rows) == 2 * 2 * 3  # dtypes x windows x backends
+    tiled = [r for r in rows if r["backend"] == "tiled"]
+    assert all(r["status"] == "PASS" for r in tiled), tiled
+    assert code == 0
+    fp32_eager = [r for r in rows if r["backend"] == "eager" and r["dtype"] == "fp32"]
+    assert all(float(r["rel_diff_eager_fp32"]) == 0 for r in fp32_eager)
+    assert all(float(r["ppl"]) > 1 for r in rows)
