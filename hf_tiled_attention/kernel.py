@@ -104,15 +104,13 @@ def attention_forward(
 
     q = ct.load(Q, index=(batch, head, m_tile, 0), shape=(1, 1, TILE_M, TILE_D),
                 padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TILE_D))
-    mma_dtype = ct.tfloat32 if Q.dtype == ct.float32 else Q.dtype
-    q = q.astype(mma_dtype)
 
     # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range: they skip
     # the per-element mask (only a dense mask, if any, still applies to them).
     full_lo = min(max(ct.cdiv(lo_all, TILE_N), first_tile), end_tile)
     full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
     tile_args = (q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
-                 col_in_tile, seq_kv, window, score_scale, softcap_out, mma_dtype)
+                 col_in_tile, seq_kv, window, score_scale, softcap_out)
     tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, TILE_M, TILE_N,
                    TILE_D, K_LATENCY, V_LATENCY)
     for j in range(first_tile, full_lo):
@@ -134,7 +132,7 @@ def attention_forward(
 
 def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h,
                  mask_m, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out,
-                 mma_dtype, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
+                 GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
                  SCORE_UNIT, TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY):
     """One online-softmax step over key tile ``j``; returns the updated (m, l, acc)."""
     state = TILE_FULL
@@ -144,7 +142,7 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
         k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                     order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
                     latency=K_LATENCY).reshape((TILE_D, TILE_N))
-        qk = ct.mma(q, k.astype(mma_dtype), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        qk = _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         if SOFTCAP:
             s = ct.tanh(qk * score_scale) * softcap_out
         else:
@@ -184,6 +182,21 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
         v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
                     padding_mode=ct.PaddingMode.ZERO,
                     latency=V_LATENCY).reshape((TILE_N, TILE_D))
-        acc = ct.mma(p.astype(mma_dtype), v.astype(mma_dtype), acc * alpha)
+        acc = _mma(p.astype(v.dtype), v, acc * alpha)
         m_i = m_new
     return m_i, l_i, acc
+
+
+def _mma(a, b, acc):
+    """``acc + a @ b`` on the tensor cores. fp32 operands use three TF32 products on a hi/lo
+    split (a_hi b_hi + a_hi b_lo + a_lo b_hi), which keeps fp32-level accuracy (~1e-6 relative)
+    where a single TF32 product would lose about three decimal digits."""
+    if a.dtype == ct.float32:
+        a_hi = a.astype(ct.tfloat32)
+        b_hi = b.astype(ct.tfloat32)
+        a_lo = (a - a_hi.astype(ct.float32)).astype(ct.tfloat32)
+        b_lo = (b - b_hi.astype(ct.float32)).astype(ct.tfloat32)
+        acc = ct.mma(a_lo, b_hi, acc)
+        acc = ct.mma(a_hi, b_lo, acc)
+        return ct.mma(a_hi, b_hi, acc)
+    return ct.mma(a, b, acc)

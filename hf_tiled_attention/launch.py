@@ -59,9 +59,13 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
         grid=(math.ceil(seq_q / schedule.tile_m), heads_q, batch),
         scalars=(float(score_scale), float(softcap_out), int(diag_offset), int(window or 0)),
         constants=constants, occupancy=schedule.occupancy, num_ctas=schedule.num_ctas,
-        dtype=query.dtype, mask_dtype=None if mask is None else mask.tensor.dtype,
+        dtype=query.dtype, mask_dtype=None if mask is None else _kernel_mask_dtype(mask.tensor),
         tile_m=schedule.tile_m, tile_n=schedule.tile_n, write_lse=bool(return_lse),
     )
+
+
+def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
+    return torch.uint8 if mask.dtype == torch.bool else mask.dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +94,9 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
         lse = torch.empty((0,), dtype=torch.float32, device=device)
     lse_arg = lse if plan.write_lse else _placeholder(device, torch.float32, 3)
     if mask is not None:
-        mask_arg = mask.tensor
+        # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
+        # the reinterpretation never reaches a traced graph.
+        mask_arg = mask.tensor.view(_kernel_mask_dtype(mask.tensor))
         states = tile_states(mask, plan.tile_m, plan.tile_n)
     else:
         mask_arg = _placeholder(device, torch.uint8, 4)

@@ -20,7 +20,7 @@ _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class CompactMask:
-    """``tensor`` has shape ``(B or 1, Hq or 1, Sq or 1, Skv)``; bool masks are stored as uint8."""
+    """``tensor`` has shape ``(B or 1, Hq or 1, Sq or 1, Skv)``, bool or floating."""
 
     tensor: torch.Tensor
     kind: int  # BOOL or ADDITIVE
@@ -67,8 +67,6 @@ def compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
     if mask.shape[3] != seq_kv or mask.stride(3) != 1:
         # Keys must be contiguous for tile loads; a key dim of size 1 is expanded (rare).
         mask = mask.expand(*mask.shape[:3], seq_kv).contiguous()
-    if kind == BOOL:
-        mask = mask.view(torch.uint8)
     return CompactMask(mask, kind)
 
 
