@@ -75,9 +75,10 @@ def kernel_with_hints(occupancy: int, num_ctas: int):
     return attention_forward.replace_hints(occupancy=occupancy, num_ctas=num_ctas)
 
 
-@functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    """A tiny array for kernel parameters a variant never reads (no mask, no LSE)."""
+    """A tiny array for kernel parameters a variant never reads (no mask, no LSE). Allocated per
+    call, not cached: a cached one first made during CUDA-graph capture would live in the
+    graph's private memory pool."""
     return torch.zeros((1,) * ndim, dtype=dtype, device=device)
 
 
