@@ -7,6 +7,7 @@ median of many repetitions, rotating input sets when they fit in L2.
     python eval/kernel_bench.py                         # the standard sweep on the GPU
     python eval/kernel_bench.py --seq 4096 --head-dim 128 --dtype bf16 --causal both
     python eval/kernel_bench.py --schedule tile_m=64,128 --schedule tile_n=64,128
+    python eval/kernel_bench.py --preset standard           # the performance targets' sweep
     python eval/kernel_bench.py --profile --seq 8192 --head-dim 128 --causal on
 
 Results: eval/results/<gpu>/kernel_sweep.csv, environment.json and PNG plots.
@@ -39,6 +40,20 @@ BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", 
 COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim",
            "causal", "schedule", "ms", "tflops", "max_err", "status", "reason"]
 L2_BYTES = 60 * 2**20
+# Named sweeps; explicit flags still override them. Each writes to its own results subfolder.
+PRESETS = {
+    # The performance issue's standard sweep (its geomean / min ratio targets vs sdpa_auto).
+    "standard": dict(seq=[1024, 2048, 4096, 8192, 16384], head_dim=[64, 128],
+                     dtype=["fp16", "bf16"], heads=["32/8", "32/32"],
+                     backends=["tiled", "sdpa_auto", "sdpa_flash", "sdpa_cudnn"]),
+    # Head dims that are not powers of two, and 256, against every SDPA backend.
+    "head-dims": dict(seq=[1024, 4096, 16384], head_dim=[80, 96, 256], dtype=["bf16"],
+                      heads=["32/8"], backends=["tiled", "sdpa_auto", "sdpa_flash",
+                                                "sdpa_efficient", "sdpa_cudnn"]),
+    # Decode-like Sq=1 against long key sequences.
+    "decode": dict(seq=[1024, 4096, 16384], head_dim=[64, 128], dtype=["bf16"], heads=["32/8"],
+                   decode=True, batch=8, backends=["tiled", "sdpa_auto", "sdpa_flash", "eager"]),
+}
 
 
 def sdpa_backend(name: str):
@@ -235,6 +250,11 @@ def main(argv=None) -> int:
                         help="run the first configuration of `tiled` under torch.profiler and "
                              "print its kernel table (wrap with `ncu --clock-control none` for "
                              "hardware counters)")
+    parser.add_argument("--preset", choices=list(PRESETS),
+                        help="a named sweep: " + ", ".join(PRESETS) + " (flags override it)")
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA GPU here; running tiny sizes on the CPU (tiled = the "
@@ -248,7 +268,7 @@ def main(argv=None) -> int:
     if args.profile:
         return profile(args, heads[0], causal_values[0], schedules[0])
 
-    out_dir = args.out or results_dir()
+    out_dir = args.out or (results_dir() / f"sweep-{preset}" if preset else results_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.simplefilter("ignore")
     rows = []

@@ -85,3 +85,16 @@ def test_perplexity_cpu(tmp_path):
     fp32_eager = [r for r in rows if r["backend"] == "eager" and r["dtype"] == "fp32"]
     assert all(float(r["rel_diff_eager_fp32"]) == 0 for r in fp32_eager)
     assert all(float(r["ppl"]) > 1 for r in rows)
+
+
+def test_kernel_bench_presets_run_on_cpu(tmp_path):
+    """A preset sets the sweep; explicit flags override it (here: tiny CPU sizes)."""
+    from eval import kernel_bench
+    assert kernel_bench.main(["--preset", "head-dims", "--seq", "32", "--head-dim", "80",
+                              "--reps", "1", "--warmup", "0", "--batch", "1", "--causal", "on",
+                              "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["backend"] for r in rows} == set(kernel_bench.PRESETS["head-dims"]["backends"])
+    assert {(r["head_dim"], r["seq_q"], r["heads_q"], r["heads_kv"]) for r in rows} == \
+        {("80", "32", "32", "8")}
+    assert all(r["status"] in ("ok", "unsupported") for r in rows)
