@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import statistics
 import sys
 import time
 import warnings
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
+from hf_tiled_attention.timing import median_ms  # noqa: E402
 from eval.common import results_dir, write_results  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -95,37 +95,12 @@ def reference(q, k, v, causal):
     return out
 
 
-def time_call(fn, input_sets, warmup: int, reps: int) -> float:
-    """Median milliseconds: CUDA events on the GPU, a host clock on the CPU."""
-    on_gpu = input_sets[0][0].is_cuda
-    for i in range(warmup):
-        fn(*input_sets[i % len(input_sets)])
-    if on_gpu:
-        torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        args = input_sets[i % len(input_sets)]
-        if on_gpu:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal,
               schedule, args) -> dict:
     row = dict(backend=backend, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal,
-               schedule=schedule_label(schedule), ms="", tflops="", max_err="", status="ok",
-               reason="")
+               schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", max_err="",
+               status="ok", reason="")
     torch_dtype = DTYPES[dtype]
     one_set = 2 * batch * (heads_q * seq_q + 2 * heads_kv * seq_kv) * head_dim * \
         torch_dtype.itemsize
@@ -159,19 +134,12 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
         row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
         return row
     del out
-    ms = time_call(fn, sets, args.warmup, args.reps)
+    ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
     flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
     if causal:
         flops /= 2
     row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}")
     return row
-
-
-def schedule_label(schedule: hta.Schedule | None) -> str:
-    if schedule is None:
-        return "default"
-    fields = {f.name: getattr(schedule, f.name) for f in dataclasses.fields(schedule)}
-    return ";".join(f"{k}={v}" for k, v in fields.items() if v is not None) or "default"
 
 
 def parse_schedules(specs: list[str]) -> list[hta.Schedule | None]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 import warnings
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import results_dir, write_results  # noqa: E402
+from hf_tiled_attention.timing import median_ms  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
 COLUMNS = ["model", "layers", "backend", "batch", "seq", "pad_fraction", "tokens_per_s", "ms",
@@ -92,23 +92,9 @@ def measure(model, ids, mask, warmup: int, reps: int) -> tuple[float, float]:
     if ids.is_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        forward()
-    times = []
-    for _ in range(reps):
-        if ids.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            forward()
-            times.append((time.perf_counter() - t0) * 1e3)
+    ms = median_ms(forward, cuda=ids.is_cuda, warmup=warmup, reps=reps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else float("nan")
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def plot(rows: list[dict], out_dir: Path) -> None:

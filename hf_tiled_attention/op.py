@@ -16,11 +16,12 @@ from typing import Optional, Union
 
 import torch
 
+from . import autotune
 from .checks import check_inputs, check_options
 from .launch import plan_launch, run_kernel
 from .masks import CompactMask, compact_mask
 from .reference import reference_attention
-from .schedule import Schedule, resolve_schedule
+from .schedule import Schedule, active_override, head_dim_tile, resolve_schedule
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
 
@@ -107,12 +108,24 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                    window=window_or_none, softcap=softcap_or_none,
                                    diag_offset=diag_offset)
     arch_major = torch.cuda.get_device_capability(query.device)[0]
-    full_schedule = resolve_schedule(Schedule.from_list(schedule), arch_major, query.dtype,
-                                     query.shape[-1], causal)
-    plan = plan_launch(query, key, compact, causal=causal, scale=scale, window=window_or_none,
-                       softcap=softcap_or_none, diag_offset=diag_offset,
-                       schedule=full_schedule, return_lse=True)
-    return run_kernel(plan, query, key, value, compact)
+    resolve = functools.partial(resolve_schedule, arch_major=arch_major, dtype=query.dtype,
+                                head_dim=query.shape[-1], causal=causal)
+
+    def launch_with(schedule: Schedule):
+        plan = plan_launch(query, key, compact, causal=causal, scale=scale,
+                           window=window_or_none, softcap=softcap_or_none,
+                           diag_offset=diag_offset, schedule=schedule, return_lse=True)
+        return run_kernel(plan, query, key, value, compact)
+
+    explicit = Schedule.from_list(schedule)
+    tuned = None
+    if explicit == Schedule() and active_override() is None and autotune.enabled():
+        tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
+                                    head_dim_tile(query.shape[-1]), causal,
+                                    autotune.seq_bucket(key.shape[2]))
+        tuned = autotune.tuned_schedule(
+            tune_key, lambda candidate: launch_with(resolve(None, tuned=candidate)), cuda=True)
+    return launch_with(resolve(explicit, tuned=tuned))
 
 
 @_attention_op.register_fake

@@ -60,6 +60,12 @@ class Schedule:
                    if getattr(self, f.name) is not None}
         return dataclasses.replace(base, **changes)
 
+    def label(self) -> str:
+        """The set fields as ``name=value`` pairs, e.g. ``tile_m=64;occupancy=2`` ("default"
+        when nothing is set)."""
+        return ";".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) is not None) or "default"
+
     def as_list(self) -> list[int]:
         """Integer encoding (-1 = unset) to pass a schedule through the torch custom op."""
         return [-1 if getattr(self, f.name) is None else int(getattr(self, f.name))
@@ -115,6 +121,11 @@ _override: contextvars.ContextVar[Optional[Schedule]] = contextvars.ContextVar(
     "hf_tiled_attention_schedule", default=None)
 
 
+def active_override() -> Optional[Schedule]:
+    """The schedule set by the innermost ``use_schedule`` block, if any."""
+    return _override.get()
+
+
 @contextlib.contextmanager
 def use_schedule(schedule: Schedule) -> Iterator[Schedule]:
     """Use ``schedule`` (on top of the defaults) for every call inside the block."""
@@ -128,10 +139,11 @@ def use_schedule(schedule: Schedule) -> Iterator[Schedule]:
 
 
 def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch.dtype,
-                     head_dim: int, causal: bool) -> Schedule:
-    """Complete schedule for a call: default table, then ``use_schedule``, then ``schedule=``."""
+                     head_dim: int, causal: bool, tuned: Optional[Schedule] = None) -> Schedule:
+    """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
+    it), then ``use_schedule``, then ``schedule=``."""
     schedule = default_schedule(arch_major, dtype, head_dim, causal)
-    for layer in (_override.get(), explicit):
+    for layer in (tuned, _override.get(), explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)
     return schedule

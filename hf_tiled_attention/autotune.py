@@ -1,0 +1,136 @@
+"""Opt-in autotuner: times candidate schedules on the call's own inputs and remembers the winner.
+
+Enable with ``HF_TILED_ATTENTION_AUTOTUNE=1``. The first kernel call for a key
+(GPU arch, dtype, head-dim tile, causal, key-length bucket) runs every candidate in
+:data:`CANDIDATES` (each compiles once, so expect seconds per candidate), keeps the fastest and
+writes it to a JSON cache (``HF_TILED_ATTENTION_CACHE_DIR``, default
+``~/.cache/hf_tiled_attention``), so later processes skip the search. The tuned schedule replaces
+the default table's entry; ``use_schedule`` and ``schedule=`` still apply on top of it. Calls made
+while a CUDA graph is being captured never tune: they use a cached winner or the default table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .schedule import Schedule
+from .timing import median_ms
+
+ENABLE_ENV = "HF_TILED_ATTENTION_AUTOTUNE"
+CACHE_DIR_ENV = "HF_TILED_ATTENTION_CACHE_DIR"
+CACHE_FILE = "autotune.json"
+
+# The schedules the H200 sweeps found competitive (eval/results/nvidia-h200/schedule-sweep-1).
+CANDIDATES: tuple[Schedule, ...] = (
+    Schedule(tile_m=64, tile_n=128, occupancy=2),
+    Schedule(tile_m=128, tile_n=64, occupancy=2),
+    Schedule(tile_m=64, tile_n=64, occupancy=2),
+    Schedule(tile_m=128, tile_n=128, occupancy=2),
+    Schedule(tile_m=64, tile_n=128, occupancy=1),
+    Schedule(tile_m=64, tile_n=64, occupancy=1),
+)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    arch_major: int
+    dtype: str
+    tile_d: int
+    causal: bool
+    seq_bucket: int
+
+    def __str__(self) -> str:
+        return (f"sm{self.arch_major}x/{self.dtype}/d{self.tile_d}/"
+                f"{'causal' if self.causal else 'full'}/kv{self.seq_bucket}")
+
+
+def seq_bucket(seq_kv: int) -> int:
+    """Key lengths share a tuning result within a power-of-two bucket (128 at the least)."""
+    return 1 << max(7, math.ceil(math.log2(max(seq_kv, 1))))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV, "") or Path.home() / ".cache" / "hf_tiled_attention")
+
+
+class ScheduleCache:
+    """The on-disk JSON cache: ``{key: {"schedule": {...}, "ms": {candidate: ms}}}``."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.path = self.directory / CACHE_FILE
+        self._entries: Optional[dict] = None
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            try:
+                self._entries = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, key: TuneKey) -> Optional[Schedule]:
+        entry = self._load().get(str(key))
+        return None if entry is None else Schedule(**entry["schedule"])
+
+    def put(self, key: TuneKey, schedule: Schedule, timings: dict[str, float]) -> None:
+        entries = self._load()
+        entries[str(key)] = {"schedule": dataclasses.asdict(schedule), "ms": timings}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a concurrent reader never sees half a file.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def tune(run: Callable[[Schedule], object], candidates: Sequence[Schedule], *, cuda: bool,
+         timer: Callable[..., float] = median_ms, warmup: int = 3,
+         reps: int = 10) -> tuple[Schedule, dict[str, float]]:
+    """Time ``run(candidate)`` for each candidate; return the fastest and every timing.
+    A candidate that fails (e.g. does not compile for this shape) is recorded as ``inf``."""
+    timings = {}
+    for candidate in candidates:
+        try:
+            timings[candidate.label()] = timer(lambda: run(candidate), cuda=cuda,
+                                               warmup=warmup, reps=reps)
+        except Exception:  # noqa: BLE001 - a failing candidate just loses
+            timings[candidate.label()] = math.inf
+    best = min(candidates, key=lambda c: timings[c.label()])
+    if math.isinf(timings[best.label()]):
+        raise RuntimeError(f"autotune: every candidate schedule failed ({list(timings)})")
+    return best, timings
+
+
+_cache: Optional[ScheduleCache] = None
+
+
+def tuned_schedule(key: TuneKey, run: Callable[[Schedule], object], *,
+                   cuda: bool) -> Optional[Schedule]:
+    """The cached winner for ``key``, tuning it first when allowed; None when disabled."""
+    global _cache
+    if not enabled():
+        return None
+    directory = cache_dir()
+    if _cache is None or _cache.directory != directory:
+        _cache = ScheduleCache(directory)
+    cached = _cache.get(key)
+    if cached is not None or (cuda and torch.cuda.is_current_stream_capturing()):
+        return cached
+    best, timings = tune(run, CANDIDATES, cuda=cuda)
+    _cache.put(key, best, timings)
+    return best
+

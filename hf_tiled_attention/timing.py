@@ -1,0 +1,40 @@
+"""Median wall time of a callable: CUDA events on the GPU, a host clock on the CPU.
+
+Shared by the autotuner and the eval scripts so that every number is taken the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *, cuda: bool, warmup: int = 10,
+              reps: int = 50) -> float:
+    """Median milliseconds of ``fn(*args)`` over ``reps`` calls after ``warmup`` calls, cycling
+    through ``arg_sets`` (several input sets keep repeated calls from timing the L2 cache)."""
+    if not arg_sets or reps < 1 or warmup < 0:
+        raise ValueError("median_ms needs at least one argument set, reps >= 1 and warmup >= 0")
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        args = arg_sets[i % len(arg_sets)]
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
