@@ -75,7 +75,7 @@ def make_batch(batch: int, seq: int, pad_fraction: float, vocab: int, device):
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     mask = None
     if pad_fraction > 0:
-        # Left padding, growing along the batch: row b has b/(B-1) * pad_fraction padded.
+        # Left padding, growing along the batch: row b has (b+1)/B * pad_fraction of its tokens padded.
         mask = torch.ones(batch, seq, dtype=torch.long, device=device)
         for b in range(batch):
             pad = int(seq * pad_fraction * (b + 1) / batch)

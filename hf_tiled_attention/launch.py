@@ -28,7 +28,7 @@ class LaunchPlan:
     occupancy: int
     num_ctas: int
     dtype: torch.dtype
-    mask_dtype: Optional[torch.dtype]
+    mask_dtype: Optional[torch.dtype]          # as the kernel reads it: bool masks as uint8
     tile_m: int
     tile_n: int
     write_lse: bool
@@ -97,7 +97,7 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     if mask is not None:
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
         # the reinterpretation never reaches a traced graph.
-        mask_arg = mask.tensor.view(_kernel_mask_dtype(mask.tensor))
+        mask_arg = mask.tensor.view(plan.mask_dtype)
         states = tile_states(mask, plan.tile_m, plan.tile_n)
     else:
         mask_arg = _placeholder(device, torch.uint8, 4)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from models import ALL_MODELS, SLIDING_MODELS, build, padded_batch, pair
+from models import ALL_MODELS, build, padded_batch, pair
 
 NEW = 10  # prompt 9 + 10 new tokens > sliding window (6)
 

@@ -1,6 +1,5 @@
 """CPU: the reference path (what CI can run) against the fp64 definition on random data."""
 
-import math
 import warnings
 
 import pytest
