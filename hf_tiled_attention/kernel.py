@@ -39,7 +39,7 @@ TILE_FULL = 2
 @ct.kernel
 def attention_forward(
     Q, K, V, Out, Lse, Mask, TileState,
-    score_scale: float,      # multiplies q.k (scale, or scale/softcap when SOFTCAP)
+    score_scale: float,      # multiplies q.k (scale * SCORE_UNIT, or scale/softcap when SOFTCAP)
     softcap_out: float,      # softcap * SCORE_UNIT when SOFTCAP
     diag_offset: int,        # query row i sits at key position i + diag_offset
     window: int,
@@ -55,6 +55,7 @@ def attention_forward(
     MASK_HEADED: ConstBool,   # mask has a head dim of size Hq (else 1)
     MASK_ROWS: ConstBool,     # mask has one row per query (else one row for all queries)
     SCORE_UNIT: ConstFloat,   # LOG2E: scores kept in log2 units; 1.0: natural units
+    FOLD_SCALE: ConstBool,    # score_scale > 0 applied inside the exponent (no softcap/bias)
     WRITE_LSE: ConstBool,
     HEAVY_FIRST: ConstBool,   # causal: launch the longest query tiles first
     K_LATENCY: ConstInt,
@@ -111,8 +112,8 @@ def attention_forward(
     full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
     tile_args = (q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
                  col_in_tile, seq_kv, window, score_scale, softcap_out)
-    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, TILE_M, TILE_N,
-                   TILE_D, K_LATENCY, V_LATENCY)
+    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, FOLD_SCALE,
+                   TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY)
     for j in range(first_tile, full_lo):
         m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, True, *tile_consts)
     for j in range(full_lo, full_hi):
@@ -122,7 +123,8 @@ def attention_forward(
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0.0
-    out = ct.where(seen, acc / ct.where(seen, l_i, 1.0), 0.0)
+    inv_l = 1.0 / ct.where(seen, l_i, 1.0)   # one division per row, not per output element
+    out = ct.where(seen, acc * inv_l, 0.0)
     ct.store(Out, index=(batch, head, m_tile, 0),
              tile=out.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype))
     if WRITE_LSE:
@@ -133,7 +135,7 @@ def attention_forward(
 def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h,
                  mask_m, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out,
                  GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
-                 SCORE_UNIT, TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY):
+                 SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY):
     """One online-softmax step over key tile ``j``; returns the updated (m, l, acc)."""
     state = TILE_FULL
     if MASK_KIND != 0:
@@ -145,6 +147,10 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
         qk = _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         if SOFTCAP:
             s = ct.tanh(qk * score_scale) * softcap_out
+        elif FOLD_SCALE:
+            # Raw scores: a positive scale commutes with the max, so it is applied once per row
+            # to the max and fused into the exponent's FMA (one multiply per score saved).
+            s = qk
         else:
             s = qk * score_scale
 
@@ -167,12 +173,18 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
             else:
                 s = s + mask.astype(ct.float32)
 
-        m_new = max(m_i, ct.max(s, axis=-1, keepdims=True))
+        row_max = ct.max(s, axis=-1, keepdims=True)
+        if FOLD_SCALE:
+            row_max = row_max * score_scale
+        m_new = max(m_i, row_max)
         m_shift = m_new
         if GEOMETRIC_MASK or MASK_KIND != 0:
             # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
-        if SCORE_UNIT == 1.0:
+        if FOLD_SCALE:
+            p = ct.exp2(s * score_scale - m_shift, flush_to_zero=True)
+            alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+        elif SCORE_UNIT == 1.0:
             p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
             alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
         else:

@@ -27,6 +27,7 @@ class LaunchPlan:
     constants: tuple                          # the kernel's Constant parameters, in order
     occupancy: int
     num_ctas: int
+    num_worker_warps: Optional[int]            # None: the compiler chooses
     dtype: torch.dtype
     mask_dtype: Optional[torch.dtype]          # as the kernel reads it: bool masks as uint8
     tile_m: int
@@ -52,13 +53,17 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
         mask is not None and mask.batched,
         mask is not None and mask.headed,
         mask is not None and mask.per_row,
-        score_unit, bool(return_lse), bool(causal and schedule.heavy_first),
+        score_unit,
+        # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
+        softcap is None and score_unit == LOG2E and score_scale > 0,
+        bool(return_lse), bool(causal and schedule.heavy_first),
         schedule.k_latency, schedule.v_latency,
     )
     return LaunchPlan(
         grid=(math.ceil(seq_q / schedule.tile_m), heads_q, batch),
         scalars=(float(score_scale), float(softcap_out), int(diag_offset), int(window or 0)),
         constants=constants, occupancy=schedule.occupancy, num_ctas=schedule.num_ctas,
+        num_worker_warps=schedule.num_worker_warps,
         dtype=query.dtype, mask_dtype=None if mask is None else _kernel_mask_dtype(mask.tensor),
         tile_m=schedule.tile_m, tile_n=schedule.tile_n, write_lse=bool(return_lse),
     )
@@ -69,10 +74,17 @@ def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_with_hints(occupancy: int, num_ctas: int):
+def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int]):
     """The kernel object for one set of compiler hints (each keeps its own JIT cache)."""
     from .kernel import attention_forward
-    return attention_forward.replace_hints(occupancy=occupancy, num_ctas=num_ctas)
+    hints = dict(occupancy=occupancy, num_ctas=num_ctas)
+    if num_worker_warps is not None:
+        hints["num_worker_warps"] = num_worker_warps
+    return attention_forward.replace_hints(**hints)
+
+
+def plan_kernel(plan: LaunchPlan):
+    return kernel_with_hints(plan.occupancy, plan.num_ctas, plan.num_worker_warps)
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
@@ -102,15 +114,22 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     else:
         mask_arg = _placeholder(device, torch.uint8, 4)
         states = _placeholder(device, torch.int8, 4)
-    kernel = kernel_with_hints(plan.occupancy, plan.num_ctas)
+    kernel = plan_kernel(plan)
     with torch.cuda.device(device):
         ct.launch(torch.cuda.current_stream(device), plan.grid, kernel,
                   (query, key, value, out, lse_arg, mask_arg, states) + plan.scalars + plan.constants)
     return out, lse
 
 
-def export_signature(plan: LaunchPlan):
-    """The :class:`cuda.tile.compilation.KernelSignature` of the variant ``plan`` launches."""
+def export_signature(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                     mask: Optional[CompactMask] = None):
+    """The :class:`cuda.tile.compilation.KernelSignature` that a launch of ``plan`` on these
+    tensors compiles (meta tensors are fine).
+
+    It mirrors what the JIT assumes at launch time, so an export compiles the same code (TMA
+    loads and all) that runs: 16-byte aligned base addresses (what torch's allocator returns),
+    unit stride on the last dim, and each stride / extent's divisibility read from the tensors.
+    """
     import cuda.tile as ct
     from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
                                        ScalarConstraint)
@@ -118,18 +137,38 @@ def export_signature(plan: LaunchPlan):
     ct_dtypes = {torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
                  torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8}
 
-    def array(dtype: torch.dtype, ndim: int) -> ArrayConstraint:
-        return ArrayConstraint(ct_dtypes[dtype], ndim, index_dtype=ct.int32,
-                               stride_lower_bound_incl=0, alias_groups=(),
-                               may_alias_internally=False)
+    def array(dtype: torch.dtype, shape, strides) -> ArrayConstraint:
+        size = torch.empty((), dtype=dtype).element_size()
+        return ArrayConstraint(
+            ct_dtypes[dtype], len(shape), index_dtype=ct.int32, stride_lower_bound_incl=0,
+            alias_groups=(), may_alias_internally=False,
+            stride_constant=[1 if stride == 1 else None for stride in strides],
+            stride_divisible_by=[16 // size if stride * size % 16 == 0 else 1
+                                 for stride in strides],
+            shape_divisible_by=[16 if extent % 16 == 0 else 1 for extent in shape],
+            base_addr_divisible_by=16)
 
-    arrays = [array(plan.dtype, 4)] * 4 + [
-        array(torch.float32, 3),
-        array(plan.mask_dtype or torch.uint8, 4),
-        array(torch.int8, 4),
-    ]
+    def like(tensor: torch.Tensor, dtype: torch.dtype) -> ArrayConstraint:
+        return array(dtype, tensor.shape, tensor.stride())
+
+    def placeholder(dtype: torch.dtype, ndim: int) -> ArrayConstraint:
+        return array(dtype, (1,) * ndim, (1,) * ndim)
+
+    batch, heads_q, seq_q, head_dim = query.shape
+    out_shape = (batch, heads_q, seq_q, head_dim)
+    out_strides = (heads_q * seq_q * head_dim, seq_q * head_dim, head_dim, 1)
+    arrays = [like(query, plan.dtype), like(key, plan.dtype), like(key, plan.dtype),
+              array(plan.dtype, out_shape, out_strides)]
+    if plan.write_lse:
+        arrays.append(array(torch.float32, out_shape[:3], (heads_q * seq_q, seq_q, 1)))
+    else:
+        arrays.append(placeholder(torch.float32, 3))
+    if mask is not None:
+        states = tile_states(mask, plan.tile_m, plan.tile_n)
+        arrays += [like(mask.tensor, plan.mask_dtype), like(states, torch.int8)]
+    else:
+        arrays += [placeholder(torch.uint8, 4), placeholder(torch.int8, 4)]
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
     return KernelSignature(arrays + scalars + list(plan.constants),
                            CallingConvention.cutile_python_v1())
-

@@ -28,6 +28,9 @@ class Schedule:
         tile_n: keys per inner-loop step (power of two, 16..256).
         occupancy: blocks the compiler should plan to fit on one SM (1..32).
         num_ctas: CTAs per cluster (1, 2, 4, ...; 1 = no clusters).
+        num_worker_warps: warps that do the math in the compiler's warp-specialised kernel
+            (4 = one warpgroup, 8 = two; the compiler adds its own load warps). With 8, a
+            128-row tile runs as two 64-row warpgroups that share each K/V tile.
         k_latency: load latency hint for K tiles (1 low .. 10 high DRAM traffic).
         v_latency: load latency hint for V tiles.
         heavy_first: with causal masking, launch the query tiles with the most keys first.
@@ -37,6 +40,7 @@ class Schedule:
     tile_n: Optional[int] = None
     occupancy: Optional[int] = None
     num_ctas: Optional[int] = None
+    num_worker_warps: Optional[int] = None
     k_latency: Optional[int] = None
     v_latency: Optional[int] = None
     heavy_first: Optional[bool] = None
@@ -51,6 +55,9 @@ class Schedule:
         _check_range("v_latency", self.v_latency, 1, 10)
         if self.num_ctas is not None and self.num_ctas not in (1, 2, 4, 8, 16):
             raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got {self.num_ctas!r}")
+        if self.num_worker_warps is not None and self.num_worker_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError("Schedule.num_worker_warps must be a power of two from 1 to 32 "
+                             f"(4 or 8 with tileiras 13.4), got {self.num_worker_warps!r}")
         if self.heavy_first is not None and not isinstance(self.heavy_first, bool):
             raise TypeError(f"Schedule.heavy_first must be a bool, got {self.heavy_first!r}")
 
@@ -93,7 +100,8 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # The default table. Keyed by (arch major, head-dim tile, causal); dtype-independent for now
 # because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
 # eval/results/<gpu>/; other archs use the sm_90 entries.
-_BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, k_latency=2, v_latency=4,
+_BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
+                 k_latency=2, v_latency=4,
                  heavy_first=True)
 _DEFAULTS: dict[tuple[int, int, bool], Schedule] = {}
 for _causal in (False, True):

@@ -34,8 +34,9 @@ def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_
     }
     compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, 1024, 1024)
     schedule = resolve_schedule(None, 9, dtype, head_dim, causal)
-    return plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
+    plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
                        diag_offset=0, schedule=schedule, return_lse=return_lse)
+    return plan, export_signature(plan, q, k, compact)
 
 
 VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
@@ -49,11 +50,11 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
 ]
 
 
-def _compile(plan, arch):
-    from hf_tiled_attention.launch import kernel_with_hints
+def _compile(plan_and_signature, arch):
+    from hf_tiled_attention.launch import plan_kernel
+    plan, signature = plan_and_signature
     buffer = io.BytesIO()
-    ct_compilation.export_kernel(kernel_with_hints(plan.occupancy, plan.num_ctas),
-                                 [export_signature(plan)], buffer, gpu_code=arch,
+    ct_compilation.export_kernel(plan_kernel(plan), [signature], buffer, gpu_code=arch,
                                  output_format="cubin")
     return buffer.getvalue()
 
