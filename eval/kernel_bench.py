@@ -151,8 +151,7 @@ def parse_schedules(specs: list[str]) -> list[hta.Schedule | None]:
         name, _, values = spec.partition("=")
         if name not in {f.name for f in dataclasses.fields(hta.Schedule)} or not values:
             raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
-        parse = (lambda s: s.lower() in ("1", "true")) if name == "heavy_first" else int
-        axes.append([(name, parse(v)) for v in values.split(",")])
+        axes.append([(name, hta.Schedule.parse_field(name, v)) for v in values.split(",")])
     return [hta.Schedule(**dict(combo)) for combo in itertools.product(*axes)]
 
 

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
+_BOOL_FIELDS = ("heavy_first",)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class Schedule:
         if self.num_worker_warps is not None and self.num_worker_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError("Schedule.num_worker_warps must be a power of two from 1 to 32 "
                              f"(4 or 8 with tileiras 13.4), got {self.num_worker_warps!r}")
-        if self.heavy_first is not None and not isinstance(self.heavy_first, bool):
-            raise TypeError(f"Schedule.heavy_first must be a bool, got {self.heavy_first!r}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"Schedule.{name} must be a bool, got {value!r}")
 
     def merged_over(self, base: "Schedule") -> "Schedule":
         """This schedule's set fields on top of ``base``'s."""
@@ -79,6 +82,17 @@ class Schedule:
                 for f in dataclasses.fields(self)]
 
     @classmethod
+    def parse_field(cls, name: str, text: str):
+        """One field's value from text (``tile_m`` "64" -> 64, ``heavy_first`` "true" -> True)."""
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError(f"Schedule has no field {name!r}")
+        if name in _BOOL_FIELDS:
+            if text.lower() not in ("0", "1", "false", "true"):
+                raise ValueError(f"Schedule.{name} expects true/false/1/0, got {text!r}")
+            return text.lower() in ("1", "true")
+        return int(text)
+
+    @classmethod
     def from_list(cls, values: list[int]) -> "Schedule":
         fields = dataclasses.fields(cls)
         if len(values) != len(fields):
@@ -86,7 +100,7 @@ class Schedule:
         decoded = {}
         for f, v in zip(fields, values):
             if v != -1:
-                decoded[f.name] = bool(v) if f.name == "heavy_first" else int(v)
+                decoded[f.name] = bool(v) if f.name in _BOOL_FIELDS else int(v)
         return cls(**decoded)
 
 
@@ -101,16 +115,26 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
 # eval/results/<gpu>/; other archs use the sm_90 entries.
 _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
-                 k_latency=2, v_latency=4,
-                 heavy_first=True)
+                 k_latency=2, v_latency=4, heavy_first=True)
+# One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
+_ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
+# Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.
+_TWO_WARPGROUPS = dataclasses.replace(_BASE, tile_m=128, tile_n=128, occupancy=1,
+                                      num_worker_warps=8)
 _DEFAULTS: dict[tuple[int, int, bool], Schedule] = {}
+for _tile_d in (16, 32, 64, 128):
+    _DEFAULTS[(9, _tile_d, True)] = _ONE_WARPGROUP
+    _DEFAULTS[(9, _tile_d, False)] = _ONE_WARPGROUP
+# H200, bf16, Hq/Hkv 32/8 (perf-notes step 3): two warpgroups win without causal masking
+# (D=128: 576 vs 515 TF/s at 4k, 582 vs 551 at 16k; D=64: 389 vs 377, 431 vs 425) and lose
+# with it (D=128 4k: 480 vs 497; D=64 4k: 258 vs 336).
+for _tile_d in (64, 128):
+    _DEFAULTS[(9, _tile_d, False)] = _TWO_WARPGROUPS
+# D=256: 128x64 with two warpgroups, 581 / 506 TF/s (non-causal / causal, 4k) against 462 / 399
+# for 64x64 with one.
 for _causal in (False, True):
-    # H200 sweep (eval/results/nvidia-h200/schedule-sweep-1): 64x128 at occupancy 2 was the
-    # fastest of {64,128}x{64,128}x{1,2} at D=64 and D=128, causal and not, S=4k and 16k.
-    for _tile_d in (16, 32, 64, 128):
-        _DEFAULTS[(9, _tile_d, _causal)] = dataclasses.replace(_BASE, tile_m=64, tile_n=128,
-                                                               occupancy=2)
-    _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=64, tile_n=64, occupancy=1)
+    _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=128, tile_n=64,
+                                                       num_worker_warps=8)
 
 
 def head_dim_tile(head_dim: int) -> int:

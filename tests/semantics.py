@@ -145,6 +145,8 @@ SEMANTIC_CASES = [
     replace(_BASE, seq_q=50, seq_kv=180, causal=True, window=33),
     replace(_BASE, softcap=5.0, causal=True),
     replace(_BASE, softcap=2.0, scale=0.3),
+    replace(_BASE, scale=-0.2, causal=True),                            # scale < 0: no folding
+    replace(_BASE, scale=0.0),                                           # uniform weights
     replace(_BASE, strided=True, causal=True),
     replace(_BASE, seq_q=77, seq_kv=131, mask="bool"),
     replace(_BASE, mask="bool_keypad", causal=True),

@@ -13,7 +13,7 @@ import torch
 
 from hf_tiled_attention.launch import export_signature, plan_launch
 from hf_tiled_attention.masks import compact_mask
-from hf_tiled_attention.schedule import resolve_schedule
+from hf_tiled_attention.schedule import Schedule, resolve_schedule
 
 ct_compilation = pytest.importorskip("cuda.tile.compilation")
 
@@ -23,7 +23,7 @@ HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile (80 and 96 use the 
 
 
 def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_rows",
-          return_lse=True, heads_q=32, heads_kv=8):
+          return_lse=True, heads_q=32, heads_kv=8, schedule=None):
     q = torch.empty(2, heads_q, 1024, head_dim, dtype=dtype, device="meta")
     k = torch.empty(2, heads_kv, 1024, head_dim, dtype=dtype, device="meta")
     masks = {
@@ -33,7 +33,7 @@ def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_
         "additive_heads": torch.empty(1, heads_q, 1024, 1024, dtype=dtype, device="meta"),
     }
     compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, 1024, 1024)
-    schedule = resolve_schedule(None, 9, dtype, head_dim, causal)
+    schedule = resolve_schedule(schedule, 9, dtype, head_dim, causal)
     plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
                        diag_offset=0, schedule=schedule, return_lse=return_lse)
     return plan, export_signature(plan, q, k, compact)
@@ -47,6 +47,9 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
                  id="bf16-d128-window-keypad"),
     pytest.param(torch.float16, 64, dict(mask="additive_heads", heads_kv=32),
                  id="fp16-d64-additive-mha"),
+    pytest.param(torch.bfloat16, 128, dict(causal=False, window=None, softcap=None, mask=None,
+                                           schedule=Schedule(tile_m=128, num_worker_warps=8)),
+                 id="bf16-d128-plain-two-warpgroups"),
 ]
 
 

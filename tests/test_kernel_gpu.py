@@ -70,10 +70,15 @@ def test_every_head_dim(head_dim):
 @pytest.mark.parametrize("schedule", [
     Schedule(tile_m=64, tile_n=64), Schedule(tile_m=128, tile_n=128), Schedule(tile_m=64, tile_n=32),
     Schedule(tile_m=128, tile_n=64, occupancy=2, heavy_first=False), Schedule(k_latency=6, v_latency=6),
+    Schedule(tile_m=128, tile_n=128, occupancy=1, num_worker_warps=8),
+    Schedule(tile_m=128, tile_n=64, occupancy=1, num_worker_warps=8),
 ], ids=str)
 def test_schedules_agree(schedule):
     for case in (Case(causal=True, seq_q=300, seq_kv=300, mask="bool_keypad"),
-                 Case(seq_q=100, seq_kv=257, window=50, softcap=10.0)):
+                 Case(seq_q=100, seq_kv=257, window=50, softcap=10.0),
+                 # plain: long unmasked interior ranges, two head dims
+                 Case(seq_q=300, seq_kv=1000), Case(causal=True, seq_q=700, seq_kv=700,
+                                                    head_dim=128)):
         check_case(case, torch.bfloat16, schedule=schedule)
 
 
