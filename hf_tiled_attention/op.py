@@ -81,6 +81,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     batch, heads_q, seq_q, head_dim = query.shape
     mask = None
     if attn_mask is not None:
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.device != query.device:
+            raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
+                             f"{attn_mask.device}")
         mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)

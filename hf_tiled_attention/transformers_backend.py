@@ -436,6 +436,10 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if entry[1] is not None:
             mask = entry[1]
 
+    if mask is not None and mask.device != query.device:
+        # A model split over GPUs (device_map): transformers builds the mask once, on the
+        # input's device, and accelerate's hooks move tensors but not a TiledMask.
+        mask = mask.to(query.device, non_blocking=True)
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
                            window=window, softcap=softcap, diag_offset=diag_offset)
     return out.transpose(1, 2), None

@@ -78,3 +78,40 @@ def test_fp16_generate_matches_sdpa():
         diverged = (gen_t[b] != gen_s[b]).nonzero()
         if len(diverged):
             assert near_tie[b, diverged[0, 0]], (gen_t[b], gen_s[b])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_split_across_two_gpus(name, tmp_path):
+    """A checkpoint loaded with device_map="auto" over two GPUs (or, if accelerate keeps so
+    tiny a model on one, an explicit half-and-half map) runs each layer's attention on its
+    own device and matches sdpa loaded the same way."""
+    import transformers
+    build(name, "eager").save_pretrained(tmp_path)
+
+    def load(impl, device_map):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, attn_implementation=impl, dtype=torch.bfloat16, device_map=device_map)
+
+    tiled = load("tiled", "auto")
+    if len(set(getattr(tiled, "hf_device_map", {}).values())) < 2:  # all on one GPU
+        layers = tiled.config.num_hidden_layers
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1,
+                      "lm_head": 1}
+        device_map.update({f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)})
+        tiled = load("tiled", device_map)
+    else:
+        device_map = "auto"
+    assert {0, 1} <= {torch.device(d).index if not isinstance(d, int) else d
+                      for d in tiled.hf_device_map.values()}, tiled.hf_device_map
+    sdpa = load("sdpa", device_map)
+    ids, mask = padded_batch([50, 31], 50, "left", seed=3, device="cuda:0")
+    keep = mask.bool()
+    with torch.no_grad():
+        fp32 = _logits(build(name, "eager").to("cuda:0"), ids, mask)[keep]
+        got = _logits(tiled, ids, mask).to("cuda:0")[keep]
+        ref_err = (_logits(sdpa, ids, mask).to("cuda:0")[keep] - fp32).abs().max().item()
+        assert (got - fp32).abs().max().item() <= 2 * ref_err + BASE_TOL[torch.bfloat16]
+        out = tiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape == (2, 58)

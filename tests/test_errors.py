@@ -58,6 +58,7 @@ def test_bad_options(kwargs, error, pattern):
     (torch.ones(1, 1, 1, 4, 8, 8, dtype=torch.bool), ValueError, "1 to 4 dims"),
     (torch.ones(1, 1, 8, 8, dtype=torch.int64), TypeError, "attn_mask must be bool"),
     ([[True]], TypeError, "attn_mask must be a torch.Tensor"),
+    (torch.ones(1, 1, 8, 8, dtype=torch.bool, device="meta"), ValueError, "query's device"),
 ])
 def test_bad_masks(mask, error, pattern):
     with pytest.raises(error, match=pattern):
