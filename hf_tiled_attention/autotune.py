@@ -29,14 +29,15 @@ ENABLE_ENV = "HF_TILED_ATTENTION_AUTOTUNE"
 CACHE_DIR_ENV = "HF_TILED_ATTENTION_CACHE_DIR"
 CACHE_FILE = "autotune.json"
 
-# The schedules the H200 sweeps found competitive (eval/results/nvidia-h200/schedule-sweep-1).
+# The schedules the H200 sweeps found competitive (eval/results/nvidia-h200/schedule-sweep-1
+# and -2): one warpgroup per 64-row tile at occupancy 1-2, or two warpgroups per 128-row tile.
 CANDIDATES: tuple[Schedule, ...] = (
-    Schedule(tile_m=64, tile_n=128, occupancy=2),
-    Schedule(tile_m=128, tile_n=64, occupancy=2),
-    Schedule(tile_m=64, tile_n=64, occupancy=2),
-    Schedule(tile_m=128, tile_n=128, occupancy=2),
-    Schedule(tile_m=64, tile_n=128, occupancy=1),
-    Schedule(tile_m=64, tile_n=64, occupancy=1),
+    Schedule(tile_m=64, tile_n=128, occupancy=2, num_worker_warps=4),
+    Schedule(tile_m=128, tile_n=128, occupancy=1, num_worker_warps=8),
+    Schedule(tile_m=128, tile_n=64, occupancy=1, num_worker_warps=8),
+    Schedule(tile_m=128, tile_n=64, occupancy=2, num_worker_warps=4),
+    Schedule(tile_m=64, tile_n=64, occupancy=2, num_worker_warps=4),
+    Schedule(tile_m=64, tile_n=128, occupancy=1, num_worker_warps=4),
 )
 
 

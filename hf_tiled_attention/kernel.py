@@ -13,7 +13,8 @@ coordinates):
 * ``MASK_KIND`` 1 (bool, stored as uint8): ``mask[i, j] != 0``; 2 (additive float): the score
   gets ``+ mask[i, j]`` and ``-inf`` hides the key.
 
-Only key tiles inside the causal/window range are visited; inside it, tiles that need no
+Only key tiles inside the causal/window range are visited (split over ``kv_splits`` blocks
+when there are too few query tiles to fill the GPU, e.g. decode); inside it, tiles that need no
 per-element mask skip the masking work, and with a dense mask a per-tile state table (0: nothing
 visible, 1: partial, 2: all visible with zero bias) skips empty tiles and avoids loading the mask
 for full ones. Every tuning knob comes in as a constant from :class:`hf_tiled_attention.Schedule`.
@@ -43,7 +44,10 @@ def attention_forward(
     softcap_out: float,      # softcap * SCORE_UNIT when SOFTCAP
     diag_offset: int,        # query row i sits at key position i + diag_offset
     window: int,
+    kv_splits: int,          # >1: block (m, split) covers one slice of the key tiles and writes
+                             # fp32 partial output + LSE at batch index split * B + b
     GROUP: ConstInt,         # query heads per key/value head
+    PACKED_ROWS: ConstBool,  # decode: Q's rows are one kv head's query heads at one position
     TILE_M: ConstInt,
     TILE_N: ConstInt,
     TILE_D: ConstInt,        # head dim rounded up to a power of two; loads pad with zeros
@@ -61,8 +65,9 @@ def attention_forward(
     K_LATENCY: ConstInt,
     V_LATENCY: ConstInt,
 ):
-    num_m_tiles = ct.num_blocks(0)
-    m_tile = ct.bid(0)
+    num_m_tiles = ct.num_blocks(0) // kv_splits
+    m_tile = ct.bid(0) // kv_splits
+    split = ct.bid(0) % kv_splits
     if HEAVY_FIRST:
         m_tile = num_m_tiles - 1 - m_tile
     head = ct.bid(1)
@@ -73,6 +78,9 @@ def attention_forward(
     seq_kv = K.shape[2]
     row_lo = m_tile * TILE_M
     row_hi = min(row_lo + TILE_M, seq_q) - 1
+    # Key positions of the tile's first and last rows (packed rows all sit at diag_offset).
+    pos_lo = diag_offset if PACKED_ROWS else row_lo + diag_offset
+    pos_hi = diag_offset if PACKED_ROWS else row_hi + diag_offset
 
     # Keys that some row of this tile may see: [lo_any, hi_any); that every row sees: [lo_all, hi_all).
     lo_any = 0
@@ -80,18 +88,25 @@ def attention_forward(
     hi_any = seq_kv
     hi_all = seq_kv
     if WINDOWED:
-        lo_any = max(row_lo + diag_offset - window + 1, 0)
-        lo_all = max(row_hi + diag_offset - window + 1, 0)
+        lo_any = max(pos_lo - window + 1, 0)
+        lo_all = max(pos_hi - window + 1, 0)
         if not CAUSAL:
-            hi_any = min(row_hi + diag_offset + window, seq_kv)
-            hi_all = min(row_lo + diag_offset + window, seq_kv)
+            hi_any = min(pos_hi + window, seq_kv)
+            hi_all = min(pos_lo + window, seq_kv)
     if CAUSAL:
-        hi_any = min(row_hi + diag_offset + 1, seq_kv)
-        hi_all = min(row_lo + diag_offset + 1, seq_kv)
+        hi_any = min(pos_hi + 1, seq_kv)
+        hi_all = min(pos_lo + 1, seq_kv)
     first_tile = lo_any // TILE_N
     end_tile = max(ct.cdiv(hi_any, TILE_N), first_tile)
+    # This block's slice of the visible key tiles (all of them unless kv_splits > 1).
+    per_split = ct.cdiv(end_tile - first_tile, kv_splits)
+    first_tile = min(first_tile + split * per_split, end_tile)
+    end_tile = min(first_tile + per_split, end_tile)
 
-    row_pos = (row_lo + diag_offset + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    if PACKED_ROWS:
+        row_pos = ct.full((TILE_M, 1), diag_offset, dtype=ct.int32)
+    else:
+        row_pos = (row_lo + diag_offset + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
 
     mask_b = batch if MASK_BATCHED else 0
@@ -125,11 +140,12 @@ def attention_forward(
     seen = l_i > 0.0
     inv_l = 1.0 / ct.where(seen, l_i, 1.0)   # one division per row, not per output element
     out = ct.where(seen, acc * inv_l, 0.0)
-    ct.store(Out, index=(batch, head, m_tile, 0),
+    out_batch = batch + split * ct.num_blocks(2)
+    ct.store(Out, index=(out_batch, head, m_tile, 0),
              tile=out.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype))
     if WRITE_LSE:
         lse = ct.where(seen, m_i / SCORE_UNIT + ct.log(ct.where(seen, l_i, 1.0)), -math.inf)
-        ct.store(Lse, index=(batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))
+        ct.store(Lse, index=(out_batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))
 
 
 def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h,

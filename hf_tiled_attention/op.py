@@ -8,6 +8,7 @@ launches the cuTile kernel on a capable GPU and runs the reference algorithm els
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -21,7 +22,8 @@ from .checks import check_inputs, check_options
 from .launch import plan_launch, run_kernel
 from .masks import CompactMask, compact_mask
 from .reference import reference_attention
-from .schedule import Schedule, active_override, head_dim_tile, resolve_schedule
+from .schedule import (Schedule, active_override, head_dim_tile, resolve_schedule,
+                       use_schedule)
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
 
@@ -90,10 +92,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    return torch.ops.hf_tiled_attention.attention(
-        query, key, value, None if mask is None else mask.tensor,
-        0 if mask is None else mask.kind, causal, float(scale), window or 0,
-        float(softcap or 0.0), int(diag_offset), (schedule or Schedule()).as_list())
+    mask_tensor = None if mask is None else mask.tensor
+    mask_kind = 0 if mask is None else mask.kind
+    schedule = schedule or Schedule()
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value))):
+        # Traced graphs need the registered op (fake impl); so does autograd (its backward
+        # raises the forward-only error).
+        return torch.ops.hf_tiled_attention.attention(
+            query, key, value, mask_tensor, mask_kind, causal, float(scale), window or 0,
+            float(softcap or 0.0), int(diag_offset), schedule.as_list())
+    # Eager inference: call the implementation directly; the dispatcher round trip costs more
+    # host time than a short attention call takes on the GPU.
+    return _forward(query, key, value, mask, causal, float(scale), window or None,
+                    softcap or None, int(diag_offset), schedule)
 
 
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
@@ -102,33 +114,59 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   window: int, softcap: float, diag_offset: int,
                   schedule: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     compact = None if mask is None else CompactMask(mask, mask_kind)
-    window_or_none = window or None
-    softcap_or_none = softcap or None
+    return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
+                    diag_offset, Schedule.from_list(schedule))
+
+
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
+             softcap: Optional[float], diag_offset: int,
+             explicit: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere."""
     if query.numel() == 0 or not kernel_available(query.device):
         if query.numel():
             _warn_reference_once(query.device)
-        return reference_attention(query, key, value, compact, causal=causal, scale=scale,
-                                   window=window_or_none, softcap=softcap_or_none,
-                                   diag_offset=diag_offset)
-    arch_major = torch.cuda.get_device_capability(query.device)[0]
-    resolve = functools.partial(resolve_schedule, arch_major=arch_major, dtype=query.dtype,
-                                head_dim=query.shape[-1], causal=causal)
+        return reference_attention(query, key, value, mask, causal=causal, scale=scale,
+                                   window=window, softcap=softcap, diag_offset=diag_offset)
+    arch_major = _arch_major(query.device)
+    override = active_override()
 
     def launch_with(schedule: Schedule):
-        plan = plan_launch(query, key, compact, causal=causal, scale=scale,
-                           window=window_or_none, softcap=softcap_or_none,
-                           diag_offset=diag_offset, schedule=schedule, return_lse=True)
-        return run_kernel(plan, query, key, value, compact)
+        plan = plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
+                           softcap=softcap, diag_offset=diag_offset, schedule=schedule,
+                           return_lse=True, sm_count=_sm_count(query.device))
+        return run_kernel(plan, query, key, value, mask)
 
-    explicit = Schedule.from_list(schedule)
     tuned = None
-    if explicit == Schedule() and active_override() is None and autotune.enabled():
+    if explicit == Schedule() and override is None and autotune.enabled():
         tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
                                     head_dim_tile(query.shape[-1]), causal,
                                     autotune.seq_bucket(key.shape[2]))
         tuned = autotune.tuned_schedule(
-            tune_key, lambda candidate: launch_with(resolve(None, tuned=candidate)), cuda=True)
-    return launch_with(resolve(explicit, tuned=tuned))
+            tune_key, lambda candidate: launch_with(_resolved(
+                None, None, candidate, arch_major, query.dtype, query.shape[-1], causal)),
+            cuda=True)
+    return launch_with(_resolved(explicit, override, tuned, arch_major, query.dtype,
+                                 query.shape[-1], causal))
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(explicit: Optional[Schedule], override: Optional[Schedule],
+              tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
+              causal: bool) -> Schedule:
+    """resolve_schedule, memoised (every argument is hashable and the result is pure)."""
+    with use_schedule(override) if override is not None else contextlib.nullcontext():
+        return resolve_schedule(explicit, arch_major, dtype, head_dim, causal, tuned=tuned)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @_attention_op.register_fake

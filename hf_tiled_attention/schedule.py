@@ -35,6 +35,9 @@ class Schedule:
         k_latency: load latency hint for K tiles (1 low .. 10 high DRAM traffic).
         v_latency: load latency hint for V tiles.
         heavy_first: with causal masking, launch the query tiles with the most keys first.
+        kv_splits: blocks that share one query tile's keys, merged afterwards by their LSE
+            (0 = automatic: split only when the query tiles cannot fill the GPU, as in decode;
+            1 = never).
     """
 
     tile_m: Optional[int] = None
@@ -45,6 +48,7 @@ class Schedule:
     k_latency: Optional[int] = None
     v_latency: Optional[int] = None
     heavy_first: Optional[bool] = None
+    kv_splits: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -54,6 +58,7 @@ class Schedule:
         _check_range("occupancy", self.occupancy, 1, 32)
         _check_range("k_latency", self.k_latency, 1, 10)
         _check_range("v_latency", self.v_latency, 1, 10)
+        _check_range("kv_splits", self.kv_splits, 0, 256)
         if self.num_ctas is not None and self.num_ctas not in (1, 2, 4, 8, 16):
             raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got {self.num_ctas!r}")
         if self.num_worker_warps is not None and self.num_worker_warps not in (1, 2, 4, 8, 16, 32):
@@ -115,7 +120,7 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
 # eval/results/<gpu>/; other archs use the sm_90 entries.
 _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
-                 k_latency=2, v_latency=4, heavy_first=True)
+                 k_latency=2, v_latency=4, heavy_first=True, kv_splits=0)
 # One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
 _ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
 # Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.

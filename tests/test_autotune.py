@@ -25,7 +25,7 @@ def test_tune_picks_fastest_and_survives_failing_candidates():
     best, timings = tune(run, CANDIDATES, cuda=False,
                          timer=lambda fn, *, cuda, warmup, reps: fn())
     assert (best.tile_m, best.tile_n, best.occupancy) == (128, 64, 2)
-    assert math.isinf(timings["tile_m=128;tile_n=128;occupancy=2"])
+    assert math.isinf(timings["tile_m=128;tile_n=128;occupancy=1;num_worker_warps=8"])
     assert len(timings) == len(CANDIDATES)
 
 
@@ -78,6 +78,7 @@ def stubbed_kernel(monkeypatch, tmp_path):
     plans = []
     monkeypatch.setattr(op, "kernel_available", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(op, "_sm_count", lambda device: 132)
 
     def fake_run(plan, q, k, v, mask):
         plans.append(plan)
@@ -91,15 +92,15 @@ def stubbed_kernel(monkeypatch, tmp_path):
 def test_op_uses_tuned_schedule_unless_overridden(stubbed_kernel, monkeypatch, tmp_path):
     q = torch.randn(1, 4, 300, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
-    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, True, 512), CANDIDATES[3], {})
+    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, True, 512), CANDIDATES[1], {})
     monkeypatch.setenv(autotune.ENABLE_ENV, "1")
     hta.tiled_attention(q, k, k, is_causal=True)
-    assert (stubbed_kernel[-1].tile_m, stubbed_kernel[-1].tile_n) == (128, 128)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (128, 128)
     hta.tiled_attention(q, k, k, is_causal=True, schedule=hta.Schedule(tile_m=64))
-    assert stubbed_kernel[-1].tile_m == 64 and stubbed_kernel[-1].tile_n == 128  # table value
+    assert stubbed_kernel[-1].variant.tile_m == 64 and stubbed_kernel[-1].variant.tile_n == 128  # table value
     with hta.use_schedule(hta.Schedule(tile_n=64)):
         hta.tiled_attention(q, k, k, is_causal=True)
-    assert (stubbed_kernel[-1].tile_m, stubbed_kernel[-1].tile_n) == (64, 64)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (64, 64)
     monkeypatch.setenv(autotune.ENABLE_ENV, "0")
     hta.tiled_attention(q, k, k, is_causal=True)
-    assert (stubbed_kernel[-1].tile_m, stubbed_kernel[-1].tile_n) == (64, 128)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (64, 128)

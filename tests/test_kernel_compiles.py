@@ -23,19 +23,20 @@ HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile (80 and 96 use the 
 
 
 def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_rows",
-          return_lse=True, heads_q=32, heads_kv=8, schedule=None):
-    q = torch.empty(2, heads_q, 1024, head_dim, dtype=dtype, device="meta")
+          return_lse=True, heads_q=32, heads_kv=8, schedule=None, seq_q=1024, sm_count=0):
+    q = torch.empty(2, heads_q, seq_q, head_dim, dtype=dtype, device="meta")
     k = torch.empty(2, heads_kv, 1024, head_dim, dtype=dtype, device="meta")
     masks = {
         None: None,
-        "bool_rows": torch.empty(2, heads_q, 1024, 1024, dtype=torch.bool, device="meta"),
+        "bool_rows": torch.empty(2, heads_q, seq_q, 1024, dtype=torch.bool, device="meta"),
         "bool_keypad": torch.empty(2, 1, 1, 1024, dtype=torch.bool, device="meta"),
-        "additive_heads": torch.empty(1, heads_q, 1024, 1024, dtype=dtype, device="meta"),
+        "additive_heads": torch.empty(1, heads_q, seq_q, 1024, dtype=dtype, device="meta"),
     }
-    compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, 1024, 1024)
+    compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, seq_q, 1024)
     schedule = resolve_schedule(schedule, 9, dtype, head_dim, causal)
     plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
-                       diag_offset=0, schedule=schedule, return_lse=return_lse)
+                       diag_offset=1024 - seq_q, schedule=schedule, return_lse=return_lse,
+                       sm_count=sm_count)
     return plan, export_signature(plan, q, k, compact)
 
 
@@ -50,6 +51,9 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
     pytest.param(torch.bfloat16, 128, dict(causal=False, window=None, softcap=None, mask=None,
                                            schedule=Schedule(tile_m=128, num_worker_warps=8)),
                  id="bf16-d128-plain-two-warpgroups"),
+    # decode: GQA rows packed into one tile, keys split over blocks
+    pytest.param(torch.bfloat16, 128, dict(seq_q=1, mask="bool_keypad", softcap=None, window=None,
+                                           sm_count=132), id="bf16-d128-decode-packed-split"),
 ]
 
 
@@ -67,3 +71,17 @@ def _compile(plan_and_signature, arch):
 def test_kernel_compiles_to_cubin(arch, dtype, head_dim, options):
     cubin = _compile(_plan(dtype, head_dim, **options), arch)
     assert cubin[:4] == b"\x7fELF", "export_kernel must produce an ELF cubin"
+
+
+def test_decode_plan_packs_rows_and_splits_keys():
+    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132)
+    assert plan.variant.packed_rows and plan.variant.tile_m == 16
+    assert plan.kv_splits == 2 and plan.grid == (2, 8, 2)   # 8 key tiles, 16 blocks unsplit
+    headed, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="additive_heads", window=None,
+                      sm_count=132)
+    assert not headed.variant.packed_rows  # a per-head mask keeps one head per block
+
+
+def test_prefill_plan_does_not_split():
+    plan, _ = _plan(torch.bfloat16, 128, sm_count=132)
+    assert plan.kv_splits == 1 and not plan.variant.packed_rows

@@ -82,6 +82,30 @@ def test_schedules_agree(schedule):
         check_case(case, torch.bfloat16, schedule=schedule)
 
 
+@pytest.mark.parametrize("case", [
+    # decode with GQA: the group's query heads packed into one tile, keys split over blocks
+    Case(batch=1, heads_q=8, heads_kv=2, seq_q=1, seq_kv=5000, head_dim=128, causal=True,
+         mask="bool_keypad"),
+    Case(batch=3, heads_q=12, heads_kv=4, seq_q=1, seq_kv=3001, window=700, causal=True),
+    Case(batch=1, heads_q=8, heads_kv=1, seq_q=1, seq_kv=4000, mask="bool_empty_rows"),
+    Case(batch=1, heads_q=4, heads_kv=2, seq_q=1, seq_kv=4000, mask="additive_heads"),
+    # MHA decode (no packing) and a 5-query chunk against a long cache: split only
+    Case(batch=2, heads_q=4, heads_kv=4, seq_q=1, seq_kv=3000, causal=True),
+    Case(batch=1, heads_q=4, heads_kv=2, seq_q=5, seq_kv=4000, causal=True, softcap=20.0),
+], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_packed_and_split(case, dtype):
+    check_case(case, dtype)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_forced_key_splits_agree(splits):
+    for case in (Case(causal=True, seq_q=300, seq_kv=900, mask="bool_keypad"),
+                 Case(seq_q=130, seq_kv=1000, mask="bool_empty_rows", window=200),
+                 Case(seq_q=64, seq_kv=700, softcap=5.0, scale=-0.1)):
+        check_case(case, torch.bfloat16, schedule=Schedule(kv_splits=splits))
+
+
 def test_long_sequence_gqa_causal_window():
     check_case(Case(batch=1, heads_q=8, heads_kv=2, seq_q=2048, seq_kv=2048, head_dim=128,
                     causal=True, window=300), torch.bfloat16)
