@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import platform
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "hf_tiled_attention"
 
 
 def gpu_slug() -> str:
@@ -52,6 +54,14 @@ def _driver_version() -> str:
         return "unknown"
 
 
+def source_digest() -> str:
+    """sha256 over the package's .py files, by name: recompute it on a checkout to find the commit."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def environment(argv: list[str]) -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -64,6 +74,8 @@ def environment(argv: list[str]) -> dict:
         "transformers": _version("transformers"),
         "accelerate": _version("accelerate"),
         "hf_tiled_attention": _version("hf-tiled-attention"),
+        # Which code ran, even from an uninstalled copy without .git (the GPU host's checkout).
+        "hf_tiled_attention_source_sha256": source_digest(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -56,11 +56,13 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
-    # Decode with GQA: the group's query heads become the rows of one tile, so K/V are read
-    # once per kv head (needs a mask without a head dim; one query means one position).
-    packed = seq_q == 1 and group > 1 and (mask is None or not mask.headed)
+    # Decode with GQA (Schedule.pack_gqa): the group's query heads become the rows of one
+    # tile, so K/V are read once per kv head (needs a mask without a head dim; one query
+    # means one position for every row).
+    packed = (schedule.pack_gqa and seq_q == 1 and group > 1
+              and (mask is None or not mask.headed))
     rows = group if packed else seq_q
-    tile_m = _row_tile(rows, schedule.tile_m)
+    tile_m = _row_tile(rows, schedule.tile_m) if packed else schedule.tile_m
     m_tiles = math.ceil(rows / tile_m)
     heads_grid = heads_kv if packed else heads_q
     visible = seq_kv if window is None else min(seq_kv, (1 if causal else 2) * window + rows)
@@ -80,7 +82,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
 
 
 def _row_tile(rows: int, tile_m: int) -> int:
-    """Fewer query rows than a tile (decode, short chunks): a smaller power-of-two tile."""
+    """Packed decode rows (a GQA group): the smallest power-of-two tile that holds them."""
     return min(tile_m, max(16, 1 << (rows - 1).bit_length()))
 
 

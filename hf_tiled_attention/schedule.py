@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
-_BOOL_FIELDS = ("heavy_first",)
+_BOOL_FIELDS = ("heavy_first", "pack_gqa")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,10 @@ class Schedule:
         v_latency: load latency hint for V tiles.
         heavy_first: with causal masking, launch the query tiles with the most keys first.
         kv_splits: blocks that share one query tile's keys, merged afterwards by their LSE
-            (0 = automatic: split only when the query tiles cannot fill the GPU, as in decode;
-            1 = never).
+            (1 = never; 0 = automatic: split only when the query tiles cannot fill the GPU,
+            as in decode).
+        pack_gqa: decode (one query) with GQA: one block per kv head whose tile rows are the
+            group's query heads, so K/V are read once per group (16-row tiles).
     """
 
     tile_m: Optional[int] = None
@@ -49,6 +51,7 @@ class Schedule:
     v_latency: Optional[int] = None
     heavy_first: Optional[bool] = None
     kv_splits: Optional[int] = None
+    pack_gqa: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -120,7 +123,10 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
 # eval/results/<gpu>/; other archs use the sm_90 entries.
 _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
-                 k_latency=2, v_latency=4, heavy_first=True, kv_splits=0)
+                 k_latency=2, v_latency=4, heavy_first=True,
+                 # Off until they win (perf-notes step 6): measured on the H200 they sped up
+                 # decode only at D=128 with 16k keys and slowed shorter caches 1.1-4x.
+                 kv_splits=1, pack_gqa=False)
 # One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
 _ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
 # Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))          # semantics.py
+sys.path.insert(0, str(Path(__file__).parent.parent))   # the eval/ scripts
 
 
 def pytest_configure(config):

@@ -2,13 +2,10 @@
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

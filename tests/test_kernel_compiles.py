@@ -20,6 +20,7 @@ ct_compilation = pytest.importorskip("cuda.tile.compilation")
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile (80 and 96 use the 128 tile)
+DECODE = Schedule(pack_gqa=True, kv_splits=0)
 
 
 def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_rows",
@@ -53,7 +54,8 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
                  id="bf16-d128-plain-two-warpgroups"),
     # decode: GQA rows packed into one tile, keys split over blocks
     pytest.param(torch.bfloat16, 128, dict(seq_q=1, mask="bool_keypad", softcap=None, window=None,
-                                           sm_count=132), id="bf16-d128-decode-packed-split"),
+                                           sm_count=132, schedule=DECODE),
+                 id="bf16-d128-decode-packed-split"),
 ]
 
 
@@ -74,14 +76,20 @@ def test_kernel_compiles_to_cubin(arch, dtype, head_dim, options):
 
 
 def test_decode_plan_packs_rows_and_splits_keys():
-    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132)
+    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132,
+                    schedule=DECODE)
     assert plan.variant.packed_rows and plan.variant.tile_m == 16
     assert plan.kv_splits == 2 and plan.grid == (2, 8, 2)   # 8 key tiles, 16 blocks unsplit
     headed, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="additive_heads", window=None,
-                      sm_count=132)
+                      sm_count=132, schedule=DECODE)
     assert not headed.variant.packed_rows  # a per-head mask keeps one head per block
 
 
 def test_prefill_plan_does_not_split():
-    plan, _ = _plan(torch.bfloat16, 128, sm_count=132)
+    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=DECODE)
+    assert plan.kv_splits == 1 and not plan.variant.packed_rows
+
+
+def test_default_schedule_neither_packs_nor_splits():
+    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132)
     assert plan.kv_splits == 1 and not plan.variant.packed_rows

@@ -95,7 +95,7 @@ def test_schedules_agree(schedule):
 ], ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_packed_and_split(case, dtype):
-    check_case(case, dtype)
+    check_case(case, dtype, schedule=Schedule(pack_gqa=True, kv_splits=0))
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])
