@@ -1,8 +1,10 @@
 """Host side of the cuTile kernel: from a validated call to a launch.
 
-:func:`plan_launch` turns a call into a :class:`LaunchPlan` (grid, runtime scalars and the
-compile-time constants that pick a kernel variant). It reads only shapes and dtypes, so the CPU
-tests use it on meta tensors to compile every variant the op can dispatch, without a GPU.
+:func:`plan_launch` turns a call into a :class:`LaunchPlan`: the grid and runtime scalars, plus
+a cached :class:`KernelVariant` (the compile-time constants and compiler hints).
+:func:`kernel_arguments` builds the arrays a launch passes, and :func:`run_kernel` launches.
+Planning reads only shapes and dtypes, so the CPU tests run it on meta tensors to compile every
+variant the op can dispatch, without a GPU.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
                    causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                    schedule: Schedule, return_lse: bool, packed: bool,
                    tile_m: int) -> KernelVariant:
+    """The variant for one combination of (hashable) call properties; memoised."""
     mask_kind, mask_dtype, batched, headed, per_row = mask_layout or (0, None, False, False, False)
     # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
     score_unit = 1.0 if mask_kind == ADDITIVE else LOG2E
