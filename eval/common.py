@@ -11,6 +11,7 @@ import platform
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -97,14 +98,28 @@ def write_environment(out_dir: Path, job: str, argv: list[str], extra: dict | No
     return path
 
 
-def write_results(out_dir: Path, job: str, columns: list[str], rows: list[dict],
-                  argv: list[str],
-                  extra: dict | None = None) -> Path:
-    """``<job>.csv`` (kernel_sweep.csv, perplexity.csv, prefill.csv) plus its environment entry."""
-    path = out_dir / f"{job}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_environment(out_dir, job, argv, extra=extra)
-    return path
+class ResultsWriter:
+    """``<job>.csv`` (kernel_sweep.csv, perplexity.csv, prefill.csv) and its environment entry.
+
+    The CSV is rewritten after every row, so a run cut short (a time limit on a lent GPU) keeps
+    what it measured; the environment entry says ``"complete": false`` until :meth:`finish`.
+    """
+
+    def __init__(self, out_dir: Path, job: str, columns: list[str], argv: list[str]):
+        self.out_dir, self.job, self.columns, self.argv = out_dir, job, columns, argv
+        self.rows: list[dict] = []
+        self.path = out_dir / f"{job}.csv"
+        self.started = time.time()
+        write_environment(out_dir, job, argv, extra={"complete": False})
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+    def finish(self, extra: dict | None = None) -> Path:
+        write_environment(self.out_dir, self.job, self.argv, extra={
+            **(extra or {}), "seconds": round(time.time() - self.started, 1), "complete": True})
+        return self.path

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
-from eval.common import results_dir, write_results  # noqa: E402
+from eval.common import ResultsWriter, results_dir  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
@@ -238,7 +237,7 @@ def main(argv=None) -> int:
     out_dir = args.out or (results_dir() / f"sweep-{preset}" if preset else results_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.simplefilter("ignore")
-    rows = []
+    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv)
     points = []
     for dtype, d, causal, (hq, hkv), seq in itertools.product(
             args.dtype, args.head_dim, causal_values, heads, args.seq):
@@ -246,25 +245,23 @@ def main(argv=None) -> int:
         points.append((dtype, batch, hq, hkv, seq, seq, d, causal))
         if args.decode:
             points.append((dtype, batch, hq, hkv, 1, seq, d, causal))
-    started = time.time()
     for dtype, batch, hq, hkv, sq, skv, d, causal in points:
         for backend in args.backends:
             for schedule in (schedules if backend == "tiled" else [None]):
                 row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, schedule,
                                 args)
-                rows.append(row)
+                results.add(row)
                 print(f"{backend:15s} {dtype} b{batch} h{hq}/{hkv} q{sq} k{skv} d{d} "
                       f"causal={int(causal)} {row['schedule']:>10s}  {row['status']:11s} "
                       f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s err {row['max_err']}",
                       flush=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-    csv_path = write_results(out_dir, "kernel_sweep", COLUMNS, rows, sys.argv,
-                             extra={"seconds": time.time() - started})
-    for path in plot(rows, out_dir):
+    csv_path = results.finish()
+    for path in plot(results.rows, out_dir):
         print("plot:", path)
     print("csv:", csv_path)
-    print_summary(rows)
+    print_summary(results.rows)
     return 0
 
 

@@ -17,7 +17,6 @@ import copy
 import importlib.util
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import results_dir, write_results  # noqa: E402
+from eval.common import ResultsWriter, results_dir  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -146,8 +145,7 @@ def main(argv=None) -> int:
     texts = load_texts(args)
     out_dir = args.out or results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    started = time.time()
+    results = ResultsWriter(out_dir, "perplexity", COLUMNS, sys.argv)
     for text_name, text in texts:
         ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
         if args.max_tokens:
@@ -171,7 +169,7 @@ def main(argv=None) -> int:
                     status = ""
                     if backend == "tiled" and rel_sdpa is not None:
                         status = "PASS" if rel_sdpa <= PARITY_BOUND[dtype_name] else "FAIL"
-                    rows.append(dict(
+                    results.add(dict(
                         model=Path(args.gguf_file or args.model).name, text=text_name,
                         window=window, dtype=dtype_name, backend=backend, tokens=r["tokens"],
                         ppl=f"{r['ppl']:.6f}",
@@ -179,13 +177,13 @@ def main(argv=None) -> int:
                         rel_diff_eager_fp32="" if rel_eager is None else f"{rel_eager:.3e}",
                         max_abs_logit_diff_sdpa=f"{r['max_diff']:.4g}" if sdpa_ppl else "",
                         bound=PARITY_BOUND[dtype_name], status=status))
-                    print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                    print(" ".join(f"{k}={v}" for k, v in results.rows[-1].items()),
+                          flush=True)
             del models
             if device == "cuda":
                 torch.cuda.empty_cache()
-    csv_path = write_results(out_dir, "perplexity", COLUMNS, rows, sys.argv,
-                             extra={"seconds": time.time() - started})
-    verdicts = [r["status"] for r in rows if r["status"]]
+    csv_path = results.finish()
+    verdicts = [r["status"] for r in results.rows if r["status"]]
     print(f"csv: {csv_path}\nparity: {verdicts.count('PASS')} PASS, {verdicts.count('FAIL')} FAIL")
     return 1 if "FAIL" in verdicts else 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import results_dir, write_results  # noqa: E402
+from eval.common import ResultsWriter, results_dir  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -146,8 +145,7 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     out_dir = args.out or results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    started = time.time()
+    results = ResultsWriter(out_dir, "prefill", COLUMNS, sys.argv)
     targets = [(name, build_config(name, args.layers)) for name in shapes]
     if args.model:
         from transformers import AutoConfig
@@ -168,14 +166,13 @@ def main(argv=None) -> int:
                                        tokens_per_s=f"{batch * seq / ms * 1e3:.0f}")
                         except torch.cuda.OutOfMemoryError as exc:
                             row.update(status="oom", reason=str(exc).splitlines()[0][:120])
-                        rows.append(row)
+                        results.add(row)
                         print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
                         if on_gpu:
                             torch.cuda.empty_cache()
         del models
-    csv_path = write_results(out_dir, "prefill", COLUMNS, rows, sys.argv,
-                             extra={"seconds": time.time() - started, "dtype": str(dtype)})
-    plot(rows, out_dir)
+    csv_path = results.finish(extra={"dtype": str(dtype)})
+    plot(results.rows, out_dir)
     print(f"csv: {csv_path}")
     return 0
 

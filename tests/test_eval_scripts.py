@@ -30,7 +30,21 @@ def test_kernel_bench_cpu(tmp_path):
     assert cudnn and all(r["status"] == "unsupported" and r["reason"] for r in cudnn)
     env = json.loads((tmp_path / "environment.json").read_text())
     assert env["kernel_sweep"]["torch"] == torch.__version__
+    assert env["kernel_sweep"]["complete"] is True
+    assert len(env["kernel_sweep"]["hf_tiled_attention_source_sha256"]) == 16
     assert (tmp_path / "kernel_sweep.png").exists()
+
+
+def test_results_survive_a_run_cut_short(tmp_path):
+    from eval.common import ResultsWriter
+    results = ResultsWriter(tmp_path, "job", ["a", "b"], ["script.py"])
+    results.add(dict(a=1, b=2))
+    results.add(dict(a=3, b=4))  # ... and the process is killed here
+    assert read_csv(tmp_path / "job.csv") == [dict(a="1", b="2"), dict(a="3", b="4")]
+    assert json.loads((tmp_path / "environment.json").read_text())["job"]["complete"] is False
+    results.finish(extra={"note": "x"})
+    env = json.loads((tmp_path / "environment.json").read_text())["job"]
+    assert env["complete"] is True and env["note"] == "x" and env["seconds"] >= 0
 
 
 def test_kernel_bench_rejects_unknown_schedule_field():
