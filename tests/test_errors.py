@@ -71,7 +71,25 @@ def test_bad_masks(mask, error, pattern):
     (dict(occupancy=0), "occupancy must be an int in"),
     (dict(k_latency=11), "k_latency must be an int in"),
     (dict(num_ctas=3), "num_ctas must be one of"),
+    (dict(num_worker_warps=6), "num_worker_warps must be a power of two"),
+    (dict(kv_splits=-1), "kv_splits must be an int in"),
+    (dict(kv_splits=1000), "kv_splits must be an int in"),
 ])
 def test_bad_schedules(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         hta.Schedule(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["heavy_first", "pack_gqa"])
+def test_schedule_flags_must_be_bool(field):
+    with pytest.raises(TypeError, match=f"{field} must be a bool"):
+        hta.Schedule(**{field: 1})
+
+
+def test_schedule_field_parsing():
+    assert hta.Schedule.parse_field("pack_gqa", "true") is True
+    assert hta.Schedule.parse_field("tile_m", "64") == 64
+    with pytest.raises(ValueError, match="no field"):
+        hta.Schedule.parse_field("tile_q", "64")
+    with pytest.raises(ValueError, match="expects true/false"):
+        hta.Schedule.parse_field("heavy_first", "maybe")
