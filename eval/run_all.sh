@@ -23,7 +23,15 @@ if [ ! -f "$texts/alice29.txt" ]; then
   for t in alice29 lcet10; do tr -d '\r' < "$tmp/brotli-1.2.1/tests/testdata/$t.txt" > "$texts/$t.txt"; done
 fi
 gpu=$(python -c "import torch; print(int(torch.cuda.is_available()))")
-if [ "$gpu" = 1 ]; then ppl_args=(); else ppl_args=(--max-tokens 2048 --windows 256 512 --dtypes fp32 bf16); fi
-python eval/kernel_bench.py
-python eval/perplexity.py --text-file "$texts/alice29.txt" "$texts/lcet10.txt" "${ppl_args[@]}"
-python eval/prefill_throughput.py
+# On a CPU the "tiled" rows are the reference path, and in bf16/fp16 a 2k-token parity check
+# against CPU sdpa compares two rounding schemes (eager and sdpa differ by ~7e-4 there): fp32
+# is the meaningful check.
+if [ "$gpu" = 1 ]; then ppl_args=(); else ppl_args=(--max-tokens 2048 --windows 256 512 --dtypes fp32); fi
+# Every eval runs even if one fails; the job fails at the end if any did.
+failed=()
+python eval/kernel_bench.py || failed+=(kernel_bench)
+python eval/perplexity.py --text-file "$texts/alice29.txt" "$texts/lcet10.txt" "${ppl_args[@]}" \
+  || failed+=(perplexity)
+python eval/prefill_throughput.py || failed+=(prefill_throughput)
+if [ ${#failed[@]} -gt 0 ]; then echo "run_all: failed: ${failed[*]}" >&2; exit 1; fi
+echo "run_all: all evals done; results in eval/results/"
