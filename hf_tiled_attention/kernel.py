@@ -157,79 +157,62 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
     if MASK_KIND != 0:
         state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
     if state != TILE_EMPTY:
-        qk = _tile_scores(j, q, K, batch, kv_head, TILE_M, TILE_N, TILE_D, K_LATENCY)
-        m_i, l_i, acc = _softmax_step(
-            qk, j, state, m_i, l_i, acc, V, Mask, batch, kv_head, mask_b, mask_h, mask_m,
-            row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out, GEOMETRIC_MASK,
-            CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M,
-            TILE_N, TILE_D, V_LATENCY)
-    return m_i, l_i, acc
-
-
-def _tile_scores(j, q, K, batch, kv_head, TILE_M, TILE_N, TILE_D, K_LATENCY):
-    """Raw scores q.k for key tile ``j`` (fp32, TILE_M x TILE_N)."""
-    k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
-                order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
-                latency=K_LATENCY).reshape((TILE_D, TILE_N))
-    return _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-
-
-def _softmax_step(qk, j, state, m_i, l_i, acc, V, Mask, batch, kv_head, mask_b, mask_h, mask_m,
-                  row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out,
-                  GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
-                  SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, V_LATENCY):
-    """Scores of key tile ``j`` -> masked, exponentiated, folded into (m, l, acc) with V."""
-    if SOFTCAP:
-        s = ct.tanh(qk * score_scale) * softcap_out
-    elif FOLD_SCALE:
-        # Raw scores: a positive scale commutes with the max, so it is applied once per row
-        # to the max and fused into the exponent's FMA (one multiply per score saved).
-        s = qk
-    else:
-        s = qk * score_scale
-
-    if GEOMETRIC_MASK:
-        cols = j * TILE_N + col_in_tile
-        visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
-        if CAUSAL:
-            visible = visible & (cols <= row_pos)
-        if WINDOWED:
-            visible = visible & (cols > row_pos - window)
-            if not CAUSAL:
-                visible = visible & (cols < row_pos + window)
-        s = ct.where(visible, s, -math.inf)
-    if state == TILE_PARTIAL:
-        mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
-                       shape=(1, 1, MASK_TILE_M, TILE_N),
-                       padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
-        if MASK_KIND == 1:
-            s = ct.where(mask != 0, s, -math.inf)
+        k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
+                    order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
+                    latency=K_LATENCY).reshape((TILE_D, TILE_N))
+        qk = _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        if SOFTCAP:
+            s = ct.tanh(qk * score_scale) * softcap_out
+        elif FOLD_SCALE:
+            # Raw scores: a positive scale commutes with the max, so it is applied once per row
+            # to the max and fused into the exponent's FMA (one multiply per score saved).
+            s = qk
         else:
-            s = s + mask.astype(ct.float32)
+            s = qk * score_scale
 
-    row_max = ct.max(s, axis=-1, keepdims=True)
-    if FOLD_SCALE:
-        row_max = row_max * score_scale
-    m_new = max(m_i, row_max)
-    m_shift = m_new
-    if GEOMETRIC_MASK or MASK_KIND != 0:
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
-    if FOLD_SCALE:
-        p = ct.exp2(s * score_scale - m_shift, flush_to_zero=True)
-        alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
-    elif SCORE_UNIT == 1.0:
-        p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
-        alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
-    else:
-        p = ct.exp2(s - m_shift, flush_to_zero=True)
-        alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
-    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                padding_mode=ct.PaddingMode.ZERO,
-                latency=V_LATENCY).reshape((TILE_N, TILE_D))
-    acc = _mma(p.astype(v.dtype), v, acc * alpha)
-    return m_new, l_i, acc
+        if GEOMETRIC_MASK:
+            cols = j * TILE_N + col_in_tile
+            visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
+            if CAUSAL:
+                visible = visible & (cols <= row_pos)
+            if WINDOWED:
+                visible = visible & (cols > row_pos - window)
+                if not CAUSAL:
+                    visible = visible & (cols < row_pos + window)
+            s = ct.where(visible, s, -math.inf)
+        if state == TILE_PARTIAL:
+            mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
+                           shape=(1, 1, MASK_TILE_M, TILE_N),
+                           padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
+            if MASK_KIND == 1:
+                s = ct.where(mask != 0, s, -math.inf)
+            else:
+                s = s + mask.astype(ct.float32)
+
+        row_max = ct.max(s, axis=-1, keepdims=True)
+        if FOLD_SCALE:
+            row_max = row_max * score_scale
+        m_new = max(m_i, row_max)
+        m_shift = m_new
+        if GEOMETRIC_MASK or MASK_KIND != 0:
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
+        if FOLD_SCALE:
+            p = ct.exp2(s * score_scale - m_shift, flush_to_zero=True)
+            alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+        elif SCORE_UNIT == 1.0:
+            p = ct.exp2((s - m_shift) * LOG2E, flush_to_zero=True)
+            alpha = ct.exp2((m_i - m_shift) * LOG2E, flush_to_zero=True)
+        else:
+            p = ct.exp2(s - m_shift, flush_to_zero=True)
+            alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+        l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                    padding_mode=ct.PaddingMode.ZERO,
+                    latency=V_LATENCY).reshape((TILE_N, TILE_D))
+        acc = _mma(p.astype(v.dtype), v, acc * alpha)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 def _mma(a, b, acc):
