@@ -8,7 +8,6 @@ launches the cuTile kernel on a capable GPU and runs the reference algorithm els
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -22,8 +21,7 @@ from .checks import check_inputs, check_options
 from .launch import plan_launch, run_kernel
 from .masks import CompactMask, compact_mask
 from .reference import reference_attention
-from .schedule import (Schedule, active_override, head_dim_tile, resolve_schedule,
-                       use_schedule)
+from .schedule import Schedule, active_override, head_dim_tile, resolve_schedule
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
 
@@ -129,7 +127,6 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return reference_attention(query, key, value, mask, causal=causal, scale=scale,
                                    window=window, softcap=softcap, diag_offset=diag_offset)
     arch_major = _arch_major(query.device)
-    override = active_override()
 
     def launch_with(schedule: Schedule):
         plan = plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
@@ -138,25 +135,16 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return run_kernel(plan, query, key, value, mask)
 
     tuned = None
-    if explicit == Schedule() and override is None and autotune.enabled():
+    if explicit == Schedule() and active_override() is None and autotune.enabled():
         tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
                                     head_dim_tile(query.shape[-1]), causal,
                                     autotune.seq_bucket(key.shape[2]))
         tuned = autotune.tuned_schedule(
-            tune_key, lambda candidate: launch_with(_resolved(
-                None, None, candidate, arch_major, query.dtype, query.shape[-1], causal)),
+            tune_key, lambda candidate: launch_with(resolve_schedule(
+                None, arch_major, query.dtype, query.shape[-1], causal, tuned=candidate)),
             cuda=True)
-    return launch_with(_resolved(explicit, override, tuned, arch_major, query.dtype,
-                                 query.shape[-1], causal))
-
-
-@functools.lru_cache(maxsize=1024)
-def _resolved(explicit: Optional[Schedule], override: Optional[Schedule],
-              tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
-              causal: bool) -> Schedule:
-    """resolve_schedule, memoised (every argument is hashable and the result is pure)."""
-    with use_schedule(override) if override is not None else contextlib.nullcontext():
-        return resolve_schedule(explicit, arch_major, dtype, head_dim, causal, tuned=tuned)
+    return launch_with(resolve_schedule(explicit, arch_major, query.dtype, query.shape[-1],
+                                        causal, tuned=tuned))
 
 
 @functools.lru_cache(maxsize=None)

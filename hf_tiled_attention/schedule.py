@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -184,9 +185,16 @@ def use_schedule(schedule: Schedule) -> Iterator[Schedule]:
 def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch.dtype,
                      head_dim: int, causal: bool, tuned: Optional[Schedule] = None) -> Schedule:
     """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
-    it), then ``use_schedule``, then ``schedule=``."""
+    it), then ``use_schedule``, then ``schedule=``. Memoised: it runs on every kernel call."""
+    return _layered(explicit, _override.get(), tuned, arch_major, dtype, head_dim, causal)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
+             tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
+             causal: bool) -> Schedule:
     schedule = default_schedule(arch_major, dtype, head_dim, causal)
-    for layer in (tuned, _override.get(), explicit):
+    for layer in (tuned, override, explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)
     return schedule
