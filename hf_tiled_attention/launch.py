@@ -45,8 +45,15 @@ class KernelVariant:
 class LaunchPlan:
     variant: KernelVariant
     grid: tuple[int, int, int]
-    scalars: tuple  # score_scale, softcap_out, diag_offset, window, kv_splits
+    diag_offset: int
+    window: int
     kv_splits: int
+
+    @property
+    def scalars(self) -> tuple[float, float, int, int, int]:
+        """The kernel's runtime scalar parameters, in order."""
+        return (self.variant.score_scale, self.variant.softcap_out, self.diag_offset,
+                self.window, self.kv_splits)
 
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask], *,
@@ -76,11 +83,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
                              float(scale), window is not None, softcap, schedule,
                              bool(return_lse or splits > 1), packed, tile_m)
-    return LaunchPlan(
-        variant=variant, grid=(m_tiles * splits, heads_grid, batch),
-        scalars=(variant.score_scale, variant.softcap_out, int(diag_offset), int(window or 0),
-                 splits),
-        kv_splits=splits)
+    return LaunchPlan(variant=variant, grid=(m_tiles * splits, heads_grid, batch),
+                      diag_offset=int(diag_offset), window=int(window or 0), kv_splits=splits)
 
 
 def _row_tile(rows: int, tile_m: int) -> int:
@@ -164,7 +168,9 @@ def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     device = query.device
     batch, heads_q, seq_q, head_dim = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    # A variant that writes no LSE returns an empty one rather than uninitialised memory.
+    lse_shape = (batch, heads_q, seq_q) if variant.write_lse else (0,)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
     q_rows, out_rows, lse_rows = query, out, lse
     if variant.packed_rows:  # (B, Hq, 1, D) seen as (B, Hkv, group, D): views, no copies
         heads_kv = key.shape[1]
@@ -173,7 +179,7 @@ def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                                   (query.stride(0), group * query.stride(1), query.stride(1),
                                    query.stride(3)), query.storage_offset())
         out_rows = out.view(batch, heads_kv, group, head_dim)
-        lse_rows = lse.view(batch, heads_kv, group)
+        lse_rows = lse.view(batch, heads_kv, group) if variant.write_lse else lse
     splits = plan.kv_splits
     if splits > 1:  # fp32 partial results per key slice, merged by finish()
         out_arg = torch.empty((splits * batch,) + out_rows.shape[1:], dtype=torch.float32,
