@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import platform
 import re
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from hf_tiled_attention import Schedule
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "hf_tiled_attention"
@@ -123,3 +127,17 @@ class ResultsWriter:
         write_environment(self.out_dir, self.job, self.argv, extra={
             **(extra or {}), "seconds": round(time.time() - self.started, 1), "complete": True})
         return self.path
+
+
+def parse_schedules(specs: list[str]) -> list[Schedule | None]:
+    """``--schedule tile_m=64,128 --schedule occupancy=1,2`` -> the cross product of Schedules
+    (``[None]`` when no spec is given: the default table)."""
+    if not specs:
+        return [None]
+    axes = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if name not in {f.name for f in dataclasses.fields(Schedule)} or not values:
+            raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
+        axes.append([(name, Schedule.parse_field(name, v)) for v in values.split(",")])
+    return [Schedule(**dict(combo)) for combo in itertools.product(*axes)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import re
 import shutil
 import subprocess
@@ -28,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_tiled_attention import Schedule  # noqa: E402
-from hf_tiled_attention.launch import export_signature, plan_kernel, plan_launch  # noqa: E402
+from hf_tiled_attention.launch import export_cubin, plan_launch  # noqa: E402
+from eval.common import parse_schedules  # noqa: E402
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -58,8 +58,6 @@ def compile_cubin(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
                   seq_q: int = 4096, seq_kv: int = 4096, schedule: Schedule | None = None,
                   sm_count: int = 132) -> bytes:
     """The cubin of the kernel variant a call of this shape launches (meta tensors, no GPU)."""
-    from cuda.tile.compilation import export_kernel
-
     q = torch.empty(1, heads[0], seq_q, head_dim, dtype=dtype, device="meta")
     k = torch.empty(1, heads[1], seq_kv, head_dim, dtype=dtype, device="meta")
     arch_major = int(arch.removeprefix("sm_")) // 10
@@ -67,10 +65,7 @@ def compile_cubin(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     plan = plan_launch(q, k, None, causal=causal, scale=head_dim ** -0.5, window=None,
                        softcap=None, diag_offset=seq_kv - seq_q, schedule=resolved,
                        return_lse=True, sm_count=sm_count)
-    buffer = io.BytesIO()
-    export_kernel(plan_kernel(plan), [export_signature(plan, q, k)], buffer, gpu_code=arch,
-                  output_format="cubin")
-    return buffer.getvalue()
+    return export_cubin(plan, q, k, arch=arch)
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
@@ -111,14 +106,13 @@ def main(argv=None) -> int:
                         help="a Schedule field: FIELD=VALUE (repeatable)")
     parser.add_argument("--sass", action="store_true", help="print the full SASS instead")
     args = parser.parse_args(argv)
-    fields = {}
-    for spec in args.schedule:
-        name, _, value = spec.partition("=")
-        fields[name] = Schedule.parse_field(name, value)
+    schedules = parse_schedules(args.schedule)
+    if len(schedules) != 1:
+        raise SystemExit("--schedule takes one value per field here (FIELD=VALUE)")
     heads = tuple(int(x) for x in args.heads.split("/"))
     cubin = compile_cubin(arch=args.arch, dtype=DTYPES[args.dtype], head_dim=args.head_dim,
                           causal=args.causal, heads=heads, seq_q=args.seq_q, seq_kv=args.seq_kv,
-                          schedule=Schedule(**fields) if fields else None)
+                          schedule=schedules[0])
     if args.sass:
         print(disassemble(cubin)[1])
         return 0

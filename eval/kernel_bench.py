@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import math
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, parse_schedules, results_dir  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
@@ -139,19 +138,6 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
         flops /= 2
     row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}")
     return row
-
-
-def parse_schedules(specs: list[str]) -> list[hta.Schedule | None]:
-    """--schedule tile_m=64,128 --schedule occupancy=1,2 -> the cross product of Schedules."""
-    if not specs:
-        return [None]
-    axes = []
-    for spec in specs:
-        name, _, values = spec.partition("=")
-        if name not in {f.name for f in dataclasses.fields(hta.Schedule)} or not values:
-            raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
-        axes.append([(name, hta.Schedule.parse_field(name, v)) for v in values.split(",")])
-    return [hta.Schedule(**dict(combo)) for combo in itertools.product(*axes)]
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

@@ -261,3 +261,17 @@ def export_signature(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
     return KernelSignature([constraint(a) for a in arrays] + scalars + list(plan.variant.constants),
                            CallingConvention.cutile_python_v1())
+
+
+def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                 mask: Optional[CompactMask] = None, *, arch: str) -> bytes:
+    """The cubin a launch of ``plan`` on these tensors compiles, for ``arch`` (e.g. "sm_90"),
+    built without a GPU by cuTile's exporter."""
+    import io
+
+    from cuda.tile.compilation import export_kernel
+
+    buffer = io.BytesIO()
+    export_kernel(plan_kernel(plan), [export_signature(plan, query, key, mask)], buffer,
+                  gpu_code=arch, output_format="cubin")
+    return buffer.getvalue()

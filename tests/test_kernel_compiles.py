@@ -6,16 +6,14 @@ so a change that breaks any dtype, head-dim tile or feature combination fails he
 every dtype x head-dim tile with all features on, and each mask layout / feature switch off.
 """
 
-import io
-
 import pytest
 import torch
 
-from hf_tiled_attention.launch import export_signature, plan_launch
+from hf_tiled_attention.launch import export_cubin, plan_launch
 from hf_tiled_attention.masks import compact_mask
 from hf_tiled_attention.schedule import Schedule, resolve_schedule
 
-ct_compilation = pytest.importorskip("cuda.tile.compilation")
+pytest.importorskip("cuda.tile.compilation")
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -38,7 +36,7 @@ def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_
     plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
                        diag_offset=1024 - seq_q, schedule=schedule, return_lse=return_lse,
                        sm_count=sm_count)
-    return plan, export_signature(plan, q, k, compact)
+    return plan, (q, k, compact)
 
 
 VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
@@ -59,13 +57,9 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
 ]
 
 
-def _compile(plan_and_signature, arch):
-    from hf_tiled_attention.launch import plan_kernel
-    plan, signature = plan_and_signature
-    buffer = io.BytesIO()
-    ct_compilation.export_kernel(plan_kernel(plan), [signature], buffer, gpu_code=arch,
-                                 output_format="cubin")
-    return buffer.getvalue()
+def _compile(plan_and_tensors, arch):
+    plan, tensors = plan_and_tensors
+    return export_cubin(plan, *tensors, arch=arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
