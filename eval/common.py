@@ -93,28 +93,21 @@ def environment(argv: list[str]) -> dict:
     return env
 
 
-def write_environment(out_dir: Path, job: str, argv: list[str], extra: dict | None = None) -> Path:
-    """environment.json holds one entry per job (kernel_sweep, perplexity, prefill)."""
-    path = out_dir / "environment.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[job] = {**environment(argv), **(extra or {})}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return path
-
-
 class ResultsWriter:
-    """``<job>.csv`` (kernel_sweep.csv, perplexity.csv, prefill.csv) and its environment entry.
+    """``<job>.csv`` (kernel_sweep.csv, perplexity.csv, prefill.csv) and its entry in
+    ``environment.json`` (one entry per job: command, versions, GPU, date).
 
     The CSV is rewritten after every row, so a run cut short (a time limit on a lent GPU) keeps
     what it measured; the environment entry says ``"complete": false`` until :meth:`finish`.
     """
 
     def __init__(self, out_dir: Path, job: str, columns: list[str], argv: list[str]):
-        self.out_dir, self.job, self.columns, self.argv = out_dir, job, columns, argv
+        self.out_dir, self.job, self.columns = out_dir, job, columns
         self.rows: list[dict] = []
         self.path = out_dir / f"{job}.csv"
         self.started = time.time()
-        write_environment(out_dir, job, argv, extra={"complete": False})
+        self.environment = environment(argv)  # taken once: it runs tileiras and nvidia-smi
+        self._write_environment(complete=False)
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -124,9 +117,15 @@ class ResultsWriter:
             writer.writerows(self.rows)
 
     def finish(self, extra: dict | None = None) -> Path:
-        write_environment(self.out_dir, self.job, self.argv, extra={
-            **(extra or {}), "seconds": round(time.time() - self.started, 1), "complete": True})
+        self._write_environment(**(extra or {}), seconds=round(time.time() - self.started, 1),
+                                complete=True)
         return self.path
+
+    def _write_environment(self, **extra) -> None:
+        path = self.out_dir / "environment.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[self.job] = {**self.environment, **extra}
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def parse_schedules(specs: list[str]) -> list[Schedule | None]:
