@@ -109,3 +109,11 @@ def test_kernel_bench_presets_run_on_cpu(tmp_path):
     assert {(r["head_dim"], r["seq_q"], r["heads_q"], r["heads_kv"]) for r in rows} == \
         {("80", "32", "32", "8")}
     assert all(r["status"] in ("ok", "unsupported") for r in rows)
+
+
+def test_host_overhead_says_it_needs_a_gpu():
+    from eval import host_overhead
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU it measures instead")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        host_overhead.main([])

@@ -1,0 +1,96 @@
+"""Where a short call's time goes: host work vs GPU work, tiled next to sdpa (GPU only).
+
+For each path it prints the CUDA-event median of one call (what kernel_bench reports: it
+includes the host's launch latency when the GPU is idle), the host time per call (200 calls
+queued without synchronising) and the time per call back to back (GPU-bound), then the cost of
+the launcher's pieces: a bare ``ct.launch``, the device context and one tiny allocation.
+
+    python eval/host_overhead.py                      # B=16, 32/8 heads, S=1024, D=128, causal
+    python eval/host_overhead.py --batch 1 --seq 512
+
+Results of earlier runs: eval/results/nvidia-h200/schedule-sweep-2/host-overhead-*.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hf_tiled_attention as hta  # noqa: E402
+from hf_tiled_attention.launch import (kernel_arguments, plan_kernel, plan_launch,  # noqa: E402
+                                       run_kernel)
+from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
+from hf_tiled_attention.timing import median_ms  # noqa: E402
+
+CALLS = 200
+
+
+def per_call_ms(fn, calls: int = CALLS) -> tuple[float, float]:
+    """(host ms per call with calls queued, ms per call back to back incl. the GPU)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - start) / calls * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--heads", default="32/8", help="Hq/Hkv")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work)")
+    import cuda.tile as ct
+
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    d, scale = args.head_dim, args.head_dim ** -0.5
+    q = torch.randn(args.batch, hq, args.seq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(args.batch, hkv, args.seq, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    device = q.device
+    plan = plan_launch(q, k, None, causal=True, scale=scale, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, d, True),
+                       return_lse=True,
+                       sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
+    arrays, _ = kernel_arguments(plan, q, k, v, None)
+    kernel, stream = plan_kernel(plan), torch.cuda.current_stream()
+    paths = {
+        "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
+        "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
+            q, k, v, None, 0, True, scale, 0, 0.0, 0, hta.Schedule().as_list()),
+        "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
+        "bare ct.launch": lambda: ct.launch(stream, plan.grid, kernel,
+                                            arrays + plan.scalars + plan.variant.constants),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }
+    for name, fn in paths.items():
+        for _ in range(20):  # compile and warm up
+            fn()
+        event = median_ms(fn, cuda=True, warmup=5, reps=50)
+        host, total = per_call_ms(fn)
+        print(f"{name:22s} event-median {event:.3f} ms   host/call {host:.3f} ms   "
+              f"back-to-back/call {total:.3f} ms", flush=True)
+
+    def device_context():
+        with torch.cuda.device(device):
+            pass
+
+    for name, fn in {"torch.cuda.device ctx": device_context,
+                     "one tiny torch.empty": lambda: torch.empty(1, device=device)}.items():
+        print(f"{name:22s} host/call {per_call_ms(fn)[0]:.4f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
