@@ -153,24 +153,32 @@ def plan_kernel(plan: LaunchPlan):
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    """A tiny array for kernel parameters a variant never reads (no mask, no LSE). Allocated per
-    call, not cached: a cached one first made during CUDA-graph capture would live in the
-    graph's private memory pool. Never read, so left uninitialised (no fill kernel)."""
+    """A tiny array for kernel parameters a variant never reads (no mask, no LSE): never read,
+    so left uninitialised. Reused across calls (allocations are a large part of a short call's
+    host time), except while a CUDA graph is being captured: one first made then would live in
+    the graph's private memory pool."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty((1,) * ndim, dtype=dtype, device=device)
+    return _reused_placeholder(device, dtype, ndim)
+
+
+@functools.lru_cache(maxsize=None)
+def _reused_placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
 def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, mask: Optional[CompactMask]):
     """The arrays one launch passes (Q, K, V, Out, Lse, Mask, TileState) and a ``finish()``
-    that returns ``(out, lse)`` once the kernel has run. Works on meta tensors too, which is how
+    that returns ``(out, lse)`` once the kernel has run (``lse`` is None for a variant that
+    writes none). Works on meta tensors too, which is how
     :func:`export_signature` sees exactly the arrays a real launch passes."""
     variant = plan.variant
     device = query.device
     batch, heads_q, seq_q, head_dim = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    # A variant that writes no LSE returns an empty one rather than uninitialised memory.
-    lse_shape = (batch, heads_q, seq_q) if variant.write_lse else (0,)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    lse = (torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+           if variant.write_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if variant.packed_rows:  # (B, Hq, 1, D) seen as (B, Hkv, group, D): views, no copies
         heads_kv = key.shape[1]
@@ -179,7 +187,7 @@ def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                                   (query.stride(0), group * query.stride(1), query.stride(1),
                                    query.stride(3)), query.storage_offset())
         out_rows = out.view(batch, heads_kv, group, head_dim)
-        lse_rows = lse.view(batch, heads_kv, group) if variant.write_lse else lse
+        lse_rows = lse.view(batch, heads_kv, group) if variant.write_lse else None
     splits = plan.kv_splits
     if splits > 1:  # fp32 partial results per key slice, merged by finish()
         out_arg = torch.empty((splits * batch,) + out_rows.shape[1:], dtype=torch.float32,
@@ -223,9 +231,13 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
 
     arrays, finish = kernel_arguments(plan, query, key, value, mask)
     device = query.device
-    with torch.cuda.device(device):
-        ct.launch(torch.cuda.current_stream(device), plan.grid, plan_kernel(plan),
-                  arrays + plan.scalars + plan.variant.constants)
+    launch_args = (torch.cuda.current_stream(device), plan.grid, plan_kernel(plan),
+                   arrays + plan.scalars + plan.variant.constants)
+    if device.index == torch.cuda.current_device():
+        ct.launch(*launch_args)
+    else:  # the launch goes to the current device's context
+        with torch.cuda.device(device):
+            ct.launch(*launch_args)
     return finish()
 
 

@@ -24,6 +24,7 @@ from .reference import reference_attention
 from .schedule import Schedule, active_override, head_dim_tile, resolve_schedule
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
+_NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
 
 
 def tiled_attention(
@@ -67,17 +68,19 @@ def tiled_attention(
     diag_offset = key.shape[2] - query.shape[2]
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
-                         schedule=schedule)
+                         schedule=schedule, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: Optional[torch.Tensor], *, causal: bool, scale: Optional[float],
               window: Optional[int], softcap: Optional[float], diag_offset: int,
-              schedule: Optional[Schedule] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              schedule: Optional[Schedule] = None,
+              return_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
     ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
-    caches whose keys extend past the current queries)."""
+    caches whose keys extend past the current queries). Returns ``(out, lse)``; ``lse`` is
+    None unless ``return_lse`` (a kernel that skips it saves an allocation and its stores)."""
     batch, heads_q, seq_q, head_dim = query.shape
     mask = None
     if attn_mask is not None:
@@ -92,18 +95,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     mask_tensor = None if mask is None else mask.tensor
     mask_kind = 0 if mask is None else mask.kind
-    schedule = schedule or Schedule()
+    schedule = schedule or _NO_OVERRIDES
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value))):
         # Traced graphs need the registered op (fake impl); so does autograd (its backward
         # raises the forward-only error).
-        return torch.ops.hf_tiled_attention.attention(
+        out, lse = torch.ops.hf_tiled_attention.attention(
             query, key, value, mask_tensor, mask_kind, causal, float(scale), window or 0,
             float(softcap or 0.0), int(diag_offset), schedule.as_list())
+        return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
     return _forward(query, key, value, mask, causal, float(scale), window or None,
-                    softcap or None, int(diag_offset), schedule)
+                    softcap or None, int(diag_offset), schedule, return_lse)
 
 
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
@@ -113,29 +117,32 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   schedule: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     compact = None if mask is None else CompactMask(mask, mask_kind)
     return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
-                    diag_offset, Schedule.from_list(schedule))
+                    diag_offset, Schedule.from_list(schedule), True)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
-             softcap: Optional[float], diag_offset: int,
-             explicit: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere."""
-    if query.numel() == 0 or not kernel_available(query.device):
+             softcap: Optional[float], diag_offset: int, explicit: Schedule,
+             return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
+    The LSE is None when not ``return_lse`` (the kernel path skips it)."""
+    device = query.device
+    if query.numel() == 0 or not kernel_available(device):
         if query.numel():
-            _warn_reference_once(query.device)
-        return reference_attention(query, key, value, mask, causal=causal, scale=scale,
-                                   window=window, softcap=softcap, diag_offset=diag_offset)
-    arch_major = _arch_major(query.device)
+            _warn_reference_once(device)
+        out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
+                                       window=window, softcap=softcap, diag_offset=diag_offset)
+        return out, (lse if return_lse else None)
+    arch_major = _arch_major(device)
 
     def launch_with(schedule: Schedule):
         plan = plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
                            softcap=softcap, diag_offset=diag_offset, schedule=schedule,
-                           return_lse=True, sm_count=_sm_count(query.device))
+                           return_lse=return_lse, sm_count=_sm_count(device))
         return run_kernel(plan, query, key, value, mask)
 
     tuned = None
-    if explicit == Schedule() and active_override() is None and autotune.enabled():
+    if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():
         tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
                                     head_dim_tile(query.shape[-1]), causal,
                                     autotune.seq_bucket(key.shape[2]))

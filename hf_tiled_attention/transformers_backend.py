@@ -441,7 +441,8 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # input's device, and accelerate's hooks move tensors but not a TiledMask.
         mask = mask.to(query.device, non_blocking=True)
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
-                           window=window, softcap=softcap, diag_offset=diag_offset)
+                           window=window, softcap=softcap, diag_offset=diag_offset,
+                           return_lse=False)
     return out.transpose(1, 2), None
 
 
