@@ -50,7 +50,10 @@ def attention_forward(
     PACKED_ROWS: ConstBool,  # decode: Q's rows are one kv head's query heads at one position
     TILE_M: ConstInt,
     TILE_N: ConstInt,
-    TILE_D: ConstInt,        # head dim rounded up to a power of two; loads pad with zeros
+    TILE_D: ConstInt,        # head dim rounded up to a power of two (loads pad with zeros),
+                             # or its leading power-of-two part when TAIL_D > 0
+    TAIL_D: ConstInt,        # 0, or the rest of the head dim as a second tile (80 = 64 + 16):
+                             # no MMA work on zero padding
     CAUSAL: ConstBool,
     WINDOWED: ConstBool,
     SOFTCAP: ConstBool,
@@ -64,14 +67,37 @@ def attention_forward(
     HEAVY_FIRST: ConstBool,   # causal: launch the longest query tiles first
     K_LATENCY: ConstInt,
     V_LATENCY: ConstInt,
+    PERSISTENT: ConstBool,    # a fixed grid (about one wave) whose blocks loop over the tiles
 ):
-    num_m_tiles = ct.num_blocks(0) // kv_splits
-    m_tile = ct.bid(0) // kv_splits
-    split = ct.bid(0) % kv_splits
+    tile_args = (Q, K, V, Out, Lse, Mask, TileState, score_scale, softcap_out, diag_offset,
+                 window, kv_splits, GROUP, PACKED_ROWS, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL,
+                 WINDOWED, SOFTCAP, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, SCORE_UNIT,
+                 FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
+    if PERSISTENT:
+        # Work items in the order a full grid (m_blocks, heads, batch) would launch them.
+        m_blocks = ct.cdiv(Q.shape[2], TILE_M) * kv_splits
+        heads = Q.shape[1]
+        batches = Q.shape[0]
+        for item in range(ct.bid(0), m_blocks * heads * batches, ct.num_blocks(0)):
+            _query_tile(item % m_blocks, (item // m_blocks) % heads, item // (m_blocks * heads),
+                        m_blocks, batches, *tile_args)
+    else:
+        _query_tile(ct.bid(0), ct.bid(1), ct.bid(2), ct.num_blocks(0), ct.num_blocks(2),
+                    *tile_args)
+
+
+def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask, TileState,
+                score_scale, softcap_out, diag_offset, window, kv_splits, GROUP, PACKED_ROWS,
+                TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND,
+                MASK_BATCHED, MASK_HEADED, MASK_ROWS, SCORE_UNIT, FOLD_SCALE, WRITE_LSE,
+                HEAVY_FIRST, K_LATENCY, V_LATENCY):
+    """One output tile: query block ``block_m`` (a query tile and, with kv_splits > 1, one slice
+    of its keys) of one head and batch row."""
+    num_m_tiles = m_blocks // kv_splits
+    m_tile = block_m // kv_splits
+    split = block_m % kv_splits
     if HEAVY_FIRST:
         m_tile = num_m_tiles - 1 - m_tile
-    head = ct.bid(1)
-    batch = ct.bid(2)
     kv_head = head // GROUP
 
     seq_q = Q.shape[2]
@@ -120,39 +146,55 @@ def attention_forward(
 
     q = ct.load(Q, index=(batch, head, m_tile, 0), shape=(1, 1, TILE_M, TILE_D),
                 padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TILE_D))
+    # The head dim's second part (TAIL_D > 0): its own query tile and accumulator. Without one
+    # these stand-ins are never read and the compiler drops them.
+    q_tail = q
+    acc_tail = acc
+    if TAIL_D != 0:
+        q_tail = ct.load(Q, index=(batch, head, m_tile, TILE_D // TAIL_D),
+                         shape=(1, 1, TILE_M, TAIL_D),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TAIL_D))
+        acc_tail = ct.full((TILE_M, TAIL_D), 0.0, dtype=ct.float32)
 
     # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range: they skip
     # the per-element mask (only a dense mask, if any, still applies to them).
     full_lo = min(max(ct.cdiv(lo_all, TILE_N), first_tile), end_tile)
     full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
-    tile_args = (q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
+    tile_args = (q, q_tail, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
                  col_in_tile, seq_kv, window, score_scale, softcap_out)
     tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, FOLD_SCALE,
-                   TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY)
+                   TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY)
     for j in range(first_tile, full_lo):
-        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, True, *tile_consts)
+        m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
+                                               *tile_consts)
     for j in range(full_lo, full_hi):
-        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, False, *tile_consts)
+        m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, False,
+                                               *tile_consts)
     for j in range(full_hi, end_tile):
-        m_i, l_i, acc = _attend_tile(j, m_i, l_i, acc, *tile_args, True, *tile_consts)
+        m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
+                                               *tile_consts)
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0.0
     inv_l = 1.0 / ct.where(seen, l_i, 1.0)   # one division per row, not per output element
     out = ct.where(seen, acc * inv_l, 0.0)
-    out_batch = batch + split * ct.num_blocks(2)
+    out_batch = batch + split * batches
     ct.store(Out, index=(out_batch, head, m_tile, 0),
              tile=out.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype))
+    if TAIL_D != 0:
+        out_tail = ct.where(seen, acc_tail * inv_l, 0.0)
+        ct.store(Out, index=(out_batch, head, m_tile, TILE_D // TAIL_D),
+                 tile=out_tail.reshape((1, 1, TILE_M, TAIL_D)).astype(Out.dtype))
     if WRITE_LSE:
         lse = ct.where(seen, m_i / SCORE_UNIT + ct.log(ct.where(seen, l_i, 1.0)), -math.inf)
         ct.store(Lse, index=(out_batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))
 
 
-def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h,
-                 mask_m, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out,
-                 GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
-                 SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, K_LATENCY, V_LATENCY):
-    """One online-softmax step over key tile ``j``; returns the updated (m, l, acc)."""
+def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, batch, kv_head,
+                 mask_b, mask_h, mask_m, row_pos, col_in_tile, seq_kv, window, score_scale,
+                 softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
+                 SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY):
+    """One online-softmax step over key tile ``j``; returns the updated (m, l, acc, acc_tail)."""
     state = TILE_FULL
     if MASK_KIND != 0:
         state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
@@ -161,6 +203,12 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
                     order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
                     latency=K_LATENCY).reshape((TILE_D, TILE_N))
         qk = _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        if TAIL_D != 0:
+            k_tail = ct.load(K, index=(batch, kv_head, TILE_D // TAIL_D, j),
+                             shape=(1, 1, TAIL_D, TILE_N), order=(0, 1, 3, 2),
+                             padding_mode=ct.PaddingMode.ZERO,
+                             latency=K_LATENCY).reshape((TAIL_D, TILE_N))
+            qk = _mma(q_tail, k_tail, qk)
         if SOFTCAP:
             s = ct.tanh(qk * score_scale) * softcap_out
         elif FOLD_SCALE:
@@ -210,9 +258,15 @@ def _attend_tile(j, m_i, l_i, acc, q, K, V, Mask, TileState, batch, kv_head, mas
         v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
                     padding_mode=ct.PaddingMode.ZERO,
                     latency=V_LATENCY).reshape((TILE_N, TILE_D))
-        acc = _mma(p.astype(v.dtype), v, acc * alpha)
+        p = p.astype(v.dtype)
+        acc = _mma(p, v, acc * alpha)
+        if TAIL_D != 0:
+            v_tail = ct.load(V, index=(batch, kv_head, j, TILE_D // TAIL_D),
+                             shape=(1, 1, TILE_N, TAIL_D), padding_mode=ct.PaddingMode.ZERO,
+                             latency=V_LATENCY).reshape((TILE_N, TAIL_D))
+            acc_tail = _mma(p, v_tail, acc_tail * alpha)
         m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, acc, acc_tail
 
 
 def _mma(a, b, acc):

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .masks import ADDITIVE, CompactMask, tile_states
-from .schedule import Schedule, head_dim_tile
+from .schedule import Schedule, head_dim_parts
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -83,8 +83,12 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
                              float(scale), window is not None, softcap, schedule,
                              bool(return_lse or splits > 1), packed, tile_m)
-    return LaunchPlan(variant=variant, grid=(m_tiles * splits, heads_grid, batch),
-                      diag_offset=int(diag_offset), window=int(window or 0), kv_splits=splits)
+    grid = (m_tiles * splits, heads_grid, batch)
+    if schedule.persistent:  # about one wave of blocks; each loops over the tiles
+        blocks = math.prod(grid)
+        grid = (min(blocks, sm_count * schedule.occupancy) if sm_count else blocks, 1, 1)
+    return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
+                      window=int(window or 0), kv_splits=splits)
 
 
 def _row_tile(rows: int, tile_m: int) -> int:
@@ -118,13 +122,14 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
     if tile_m < schedule.tile_m:  # shrunk for few rows: one warpgroup is plenty
         num_worker_warps = min(num_worker_warps or 4, 4)
     constants = (
-        1 if packed else group, packed, tile_m, schedule.tile_n, head_dim_tile(head_dim),
+        1 if packed else group, packed, tile_m, schedule.tile_n,
+        *head_dim_parts(head_dim, schedule.split_head_dim),
         causal, windowed, softcap is not None, mask_kind, batched, headed, per_row,
         score_unit,
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         softcap is None and score_unit == LOG2E and score_scale > 0,
         return_lse, bool(causal and schedule.heavy_first),
-        schedule.k_latency, schedule.v_latency,
+        schedule.k_latency, schedule.v_latency, schedule.persistent,
     )
     return KernelVariant(
         constants=constants, occupancy=schedule.occupancy, num_ctas=schedule.num_ctas,

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
-_BOOL_FIELDS = ("heavy_first", "pack_gqa")
+_BOOL_FIELDS = ("heavy_first", "pack_gqa", "split_head_dim", "persistent")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class Schedule:
             as in decode).
         pack_gqa: decode (one query) with GQA: one block per kv head whose tile rows are the
             group's query heads, so K/V are read once per group (16-row tiles).
+        split_head_dim: a head dim that is a power of two plus a smaller one (80 = 64 + 16,
+            96 = 64 + 32, 160 = 128 + 32) runs as two tiles instead of one zero-padded to the
+            next power of two (which does 1.6x the MMA work at 80). Other head dims are padded.
+        persistent: launch about one wave of blocks (SMs x occupancy) that loop over the query
+            tiles in launch order, instead of one block per tile.
     """
 
     tile_m: Optional[int] = None
@@ -53,6 +58,8 @@ class Schedule:
     heavy_first: Optional[bool] = None
     kv_splits: Optional[int] = None
     pack_gqa: Optional[bool] = None
+    split_head_dim: Optional[bool] = None
+    persistent: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -127,7 +134,7 @@ _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warp
                  k_latency=2, v_latency=4, heavy_first=True,
                  # Off until they win (perf-notes step 6): measured on the H200 they sped up
                  # decode only at D=128 with 16k keys and slowed shorter caches 1.1-4x.
-                 kv_splits=1, pack_gqa=False)
+                 kv_splits=1, pack_gqa=False, split_head_dim=True, persistent=False)
 # One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
 _ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
 # Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.
@@ -142,6 +149,11 @@ for _tile_d in (16, 32, 64, 128):
 # with it (D=128 4k: 480 vs 497; D=64 4k: 258 vs 336).
 for _tile_d in (64, 128):
     _DEFAULTS[(9, _tile_d, False)] = _TWO_WARPGROUPS
+# Head dims that run as 64 + a smaller tile (80, 96; see head_dim_parts): one warpgroup per
+# 64-row tile at occupancy 2 for both masks (perf-notes step 9: D=80 non-causal 450 TF/s at 16k
+# against 381 for the padded two-warpgroup tile; causal 444 vs 345). 128 + a tile (144, 160,
+# 192) keeps the 256 entry: its 64-row tile needs 218 registers at D=192.
+_SPLIT_AFTER_64 = _ONE_WARPGROUP
 # D=256: 128x64 with two warpgroups, 581 / 506 TF/s (non-causal / causal, 4k) against 462 / 399
 # for 64x64 with one.
 for _causal in (False, True):
@@ -150,13 +162,28 @@ for _causal in (False, True):
 
 
 def head_dim_tile(head_dim: int) -> int:
-    """Head dims are processed as the next power of two (zero-padded on load, clipped on store)."""
+    """The next power of two: a head dim's padded tile (zero-padded on load, clipped on store),
+    and the head-dim key of the default table."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def head_dim_parts(head_dim: int, split: bool) -> tuple[int, int]:
+    """The kernel's (TILE_D, TAIL_D): with ``split``, a head dim that is a power of two plus a
+    smaller power of two >= 16 (the MMA's depth) runs as those two tiles; otherwise one padded
+    tile and no tail."""
+    lead = 1 << (head_dim.bit_length() - 1)
+    tail = head_dim - lead
+    if split and tail >= 16 and tail & (tail - 1) == 0:
+        return lead, tail
+    return head_dim_tile(head_dim), 0
 
 
 def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool) -> Schedule:
     """The default table's entry for one call (``dtype`` is part of the key for future entries)."""
     del dtype
+    lead, tail = head_dim_parts(head_dim, split=True)
+    if tail and lead == 64:
+        return _SPLIT_AFTER_64
     tile_d = head_dim_tile(head_dim)
     return _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
 

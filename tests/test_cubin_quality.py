@@ -12,7 +12,8 @@ pytest.importorskip("cuda.tile.compilation")
 from eval.inspect_cubin import compile_cubin, report  # noqa: E402
 
 
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, True), (256, False)])
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, True), (256, False),
+                                              (80, False), (96, True)])
 def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causal):
     info = report(compile_cubin(arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
                                 causal=causal))

@@ -17,7 +17,7 @@ pytest.importorskip("cuda.tile.compilation")
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile (80 and 96 use the 128 tile)
+HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile
 DECODE = Schedule(pack_gqa=True, kv_splits=0)
 
 
@@ -50,6 +50,14 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
     pytest.param(torch.bfloat16, 128, dict(causal=False, window=None, softcap=None, mask=None,
                                            schedule=Schedule(tile_m=128, num_worker_warps=8)),
                  id="bf16-d128-plain-two-warpgroups"),
+    # head dims as a power of two plus a second tile (80 = 64 + 16, 96 = 64 + 32)
+    pytest.param(torch.bfloat16, 80, {}, id="bf16-d80-split-all"),
+    pytest.param(torch.float16, 96, dict(causal=False, window=None, softcap=None, mask=None),
+                 id="fp16-d96-split-plain"),
+    pytest.param(torch.float32, 80, dict(mask=None), id="fp32-d80-split"),
+    # a fixed grid of blocks that loop over the tiles, with every feature
+    pytest.param(torch.bfloat16, 128, dict(schedule=Schedule(persistent=True)),
+                 id="bf16-d128-persistent-all"),
     # decode: GQA rows packed into one tile, keys split over blocks
     pytest.param(torch.bfloat16, 128, dict(seq_q=1, mask="bool_keypad", softcap=None, window=None,
                                            sm_count=132, schedule=DECODE),
@@ -77,6 +85,27 @@ def test_decode_plan_packs_rows_and_splits_keys():
     headed, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="additive_heads", window=None,
                       sm_count=132, schedule=DECODE)
     assert not headed.variant.packed_rows  # a per-head mask keeps one head per block
+
+
+def test_persistent_plan_launches_one_wave():
+    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=Schedule(persistent=True))
+    occupancy = plan.variant.occupancy
+    assert plan.grid == (132 * occupancy, 1, 1) and plan.variant.constants[-1] is True
+    # fewer tiles than one wave: one block per tile
+    small, _ = _plan(torch.bfloat16, 128, seq_q=64, heads_q=8, sm_count=132, mask=None,
+                     schedule=Schedule(persistent=True, tile_m=64))
+    assert small.grid == (8 * 2, 1, 1)
+    # the SM count unknown (meta tensors): one block per tile, still correct
+    unknown, _ = _plan(torch.bfloat16, 128, schedule=Schedule(persistent=True, tile_m=64))
+    assert unknown.grid == (16 * 32 * 2, 1, 1)
+
+
+def test_head_dim_split_reaches_the_kernel():
+    tile_d_at = 4  # TILE_D's position in the kernel's constants; TAIL_D follows it
+    split, _ = _plan(torch.bfloat16, 80)
+    assert split.variant.constants[tile_d_at:tile_d_at + 2] == (64, 16)
+    padded, _ = _plan(torch.bfloat16, 80, schedule=Schedule(split_head_dim=False))
+    assert padded.variant.constants[tile_d_at:tile_d_at + 2] == (128, 0)
 
 
 def test_prefill_plan_does_not_split():

@@ -82,6 +82,17 @@ def test_schedules_agree(schedule):
         check_case(case, torch.bfloat16, schedule=schedule)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 192])
+def test_head_dim_split_and_padded_agree(head_dim, split):
+    schedule = Schedule(split_head_dim=split)
+    for case in (Case(causal=True, seq_q=300, seq_kv=300, mask="bool_keypad", head_dim=head_dim),
+                 Case(seq_q=100, seq_kv=257, window=50, softcap=10.0, head_dim=head_dim),
+                 Case(seq_q=1, seq_kv=1000, causal=True, head_dim=head_dim)):
+        for dtype in (torch.float16, torch.bfloat16):
+            check_case(case, dtype, schedule=schedule)
+
+
 @pytest.mark.parametrize("case", [
     # decode with GQA: the group's query heads packed into one tile, keys split over blocks
     Case(batch=1, heads_q=8, heads_kv=2, seq_q=1, seq_kv=5000, head_dim=128, causal=True,
@@ -96,6 +107,18 @@ def test_schedules_agree(schedule):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_packed_and_split(case, dtype):
     check_case(case, dtype, schedule=Schedule(pack_gqa=True, kv_splits=0))
+
+
+@pytest.mark.parametrize("schedule", [
+    Schedule(persistent=True), Schedule(persistent=True, tile_m=128, tile_n=128, num_worker_warps=8),
+    Schedule(persistent=True, pack_gqa=True, kv_splits=0), Schedule(persistent=True, kv_splits=3),
+], ids=str)
+def test_persistent_grid_agrees(schedule):
+    for case in (Case(causal=True, seq_q=700, seq_kv=700, mask="bool_keypad", head_dim=128),
+                 Case(batch=3, heads_q=12, heads_kv=4, seq_q=300, seq_kv=1000, window=200),
+                 Case(batch=3, heads_q=12, heads_kv=4, seq_q=1, seq_kv=3001, causal=True),
+                 Case(seq_q=64, seq_kv=64, causal=True, head_dim=80)):
+        check_case(case, torch.bfloat16, schedule=schedule)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])

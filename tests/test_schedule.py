@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_tiled_attention import Schedule, default_schedule, use_schedule
-from hf_tiled_attention.schedule import head_dim_tile, resolve_schedule
+from hf_tiled_attention.schedule import head_dim_parts, head_dim_tile, resolve_schedule
 
 
 @pytest.mark.parametrize("head_dim", range(16, 257, 8))
@@ -19,6 +19,17 @@ def test_head_dim_tiles():
         [16, 32, 64, 128, 128, 128, 256, 256]
 
 
+@pytest.mark.parametrize("head_dim, parts", [
+    (80, (64, 16)), (96, (64, 32)), (48, (32, 16)), (144, (128, 16)), (160, (128, 32)),
+    (192, (128, 64)), (64, (64, 0)), (256, (256, 0)),
+    # the rest is not a power of two, or below the MMA's depth of 16: one padded tile
+    (112, (128, 0)), (72, (128, 0)), (40, (64, 0)), (24, (32, 0)), (200, (256, 0)),
+])
+def test_head_dim_parts(head_dim, parts):
+    assert head_dim_parts(head_dim, split=True) == parts
+    assert head_dim_parts(head_dim, split=False) == (head_dim_tile(head_dim), 0)
+
+
 def test_override_layers():
     base = default_schedule(9, torch.float16, 128, True)
     with use_schedule(Schedule(tile_n=32, occupancy=2)):
@@ -28,7 +39,8 @@ def test_override_layers():
 
 
 def test_list_round_trip():
-    for schedule in (Schedule(), Schedule(tile_m=64, heavy_first=False, k_latency=3)):
+    for schedule in (Schedule(), Schedule(tile_m=64, heavy_first=False, k_latency=3),
+                     Schedule(split_head_dim=False, pack_gqa=True)):
         assert Schedule.from_list(schedule.as_list()) == schedule
 
 
