@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .masks import ADDITIVE, CompactMask, tile_states
+from .masks import ADDITIVE, CompactMask
 from .schedule import Schedule, head_dim_parts
 
 LOG2E = 1.0 / math.log(2.0)
@@ -206,7 +206,7 @@ def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
         # the reinterpretation never reaches a traced graph.
         mask_arg = mask.tensor.view(variant.mask_dtype)
-        states = tile_states(mask, variant.tile_m, variant.tile_n)
+        states = mask.states(variant.tile_m, variant.tile_n)
     else:
         mask_arg = _placeholder(device, torch.uint8, 4)
         states = _placeholder(device, torch.int8, 4)

@@ -7,7 +7,7 @@ stride 0 and are narrowed to size 1, without copying).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,19 @@ class CompactMask:
 
     tensor: torch.Tensor
     kind: int  # BOOL or ADDITIVE
+    # Tile-state tables made for this mask, by (tile_m, tile_n): a CompactMask that every layer
+    # of a forward shares (the transformers adapter keeps one) builds each table once.
+    state_tables: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def states(self, tile_m: int, tile_n: int) -> torch.Tensor:
+        """:func:`tile_states` for these tiles, memoised (except while a CUDA graph is being
+        captured: a table made then lives in the graph's private memory pool)."""
+        table = self.state_tables.get((tile_m, tile_n))
+        if table is None:
+            table = tile_states(self, tile_m, tile_n)
+            if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.state_tables[(tile_m, tile_n)] = table
+        return table
 
     @property
     def batched(self) -> bool:

@@ -73,21 +73,26 @@ def tiled_attention(
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attn_mask: Optional[torch.Tensor], *, causal: bool, scale: Optional[float],
+              attn_mask: Union[torch.Tensor, CompactMask, None], *, causal: bool,
+              scale: Optional[float],
               window: Optional[int], softcap: Optional[float], diag_offset: int,
               schedule: Optional[Schedule] = None,
               return_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
     ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
-    caches whose keys extend past the current queries). Returns ``(out, lse)``; ``lse`` is
-    None unless ``return_lse`` (a kernel that skips it saves an allocation and its stores)."""
+    caches whose keys extend past the current queries). ``attn_mask`` may also be a
+    :class:`CompactMask` made by :func:`compact_mask` for this shape, which callers reuse across
+    layers so its tile tables are built once. Returns ``(out, lse)``; ``lse`` is None unless
+    ``return_lse`` (a kernel that skips it saves an allocation and its stores)."""
     batch, heads_q, seq_q, head_dim = query.shape
     mask = None
     if attn_mask is not None:
-        if isinstance(attn_mask, torch.Tensor) and attn_mask.device != query.device:
+        tensor = attn_mask.tensor if isinstance(attn_mask, CompactMask) else attn_mask
+        if isinstance(tensor, torch.Tensor) and tensor.device != query.device:
             raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
-                             f"{attn_mask.device}")
-        mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
+                             f"{tensor.device}")
+        mask = attn_mask if isinstance(attn_mask, CompactMask) else compact_mask(
+            attn_mask, batch, heads_q, seq_q, key.shape[2])
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:

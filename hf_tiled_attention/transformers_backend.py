@@ -54,6 +54,7 @@ from typing import Any, Optional
 import torch
 
 from .checks import check_inputs
+from .masks import CompactMask, compact_mask
 from .op import attention as _op_attention
 
 __all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
@@ -349,7 +350,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise ValueError("attn_implementation='tiled' does not support position_bias; "
                          "use attn_implementation='eager' or 'sdpa'.")
     check_inputs(query, key, value)
-    batch, _, seq_q, _ = query.shape
+    batch, heads_q, seq_q, _ = query.shape
     seq_kv = key.shape[2]
     softcap = kwargs.get("softcap")
     is_causal = kwargs.get("is_causal")
@@ -436,14 +437,33 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if entry[1] is not None:
             mask = entry[1]
 
-    if mask is not None and mask.device != query.device:
-        # A model split over GPUs (device_map): transformers builds the mask once, on the
-        # input's device, and accelerate's hooks move tensors but not a TiledMask.
-        mask = mask.to(query.device, non_blocking=True)
+    if mask is not None:
+        mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
                            window=window, softcap=softcap, diag_offset=diag_offset,
                            return_lse=False)
     return out.transpose(1, 2), None
+
+
+def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.device,
+                       shape: tuple) -> CompactMask:
+    """The op's compact form of ``mask`` on the layer's device. Kept in the forward's memo, so
+    the layers that share a mask share one copy per GPU and its tile tables."""
+    if mask.device != device:
+        # A model split over GPUs (device_map): transformers builds the mask once, on the
+        # input's device, and accelerate's hooks move tensors but not a TiledMask.
+        moved = None if memo is None else memo.get(("moved", id(mask), device))
+        if moved is None or moved[0] is not mask:
+            moved = (mask, mask.to(device, non_blocking=True))
+            if memo is not None and not _compiling():
+                memo[("moved", id(mask), device)] = moved
+        mask = moved[1]
+    entry = None if memo is None else memo.get(("compact", id(mask), shape))
+    if entry is None or entry[0] is not mask:
+        entry = (mask, compact_mask(mask, *shape))  # holds `mask`: its id stays unique
+        if memo is not None and not _compiling():
+            memo[("compact", id(mask), shape)] = entry
+    return entry[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,11 +67,13 @@ def test_fully_padded_rows_are_zero_not_nan():
 
 def test_mask_passed_to_op_is_compact(monkeypatch):
     """Causal, sliding-window and padding masks never reach the op as an O(Sq x Skv) tensor."""
-    shapes = []
+    shapes, first_forward = [], []
     real = tb._op_attention
 
     def spy(q, k, v, mask, **kw):
-        shapes.append((None if mask is None else tuple(mask.shape), kw["causal"], kw["window"]))
+        tensor = getattr(mask, "tensor", mask)  # the adapter hands over a CompactMask
+        shapes.append((None if mask is None else tuple(tensor.shape), kw["causal"], kw["window"]))
+        first_forward.append((id(mask), kw["window"]))
         return real(q, k, v, mask, **kw)
 
     monkeypatch.setattr(tb, "_op_attention", spy)
@@ -79,6 +81,9 @@ def test_mask_passed_to_op_is_compact(monkeypatch):
     ids, mask = padded_batch([9, 16], 16, "left")
     with torch.no_grad():
         tiled(ids, attention_mask=mask)
+        # the layers of one forward that share a mask share one compact copy (and its tables)
+        assert len(first_forward) == tiled.config.num_hidden_layers
+        assert len(set(first_forward)) == len({w for _, w in first_forward})
         tiled(ids[1:], attention_mask=mask[1:])  # unpadded row: no mask at all
         tiled.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert shapes

@@ -1,0 +1,55 @@
+"""CPU: the per-tile state table the kernel uses to skip or trust mask tiles."""
+
+import pytest
+import torch
+
+from hf_tiled_attention.masks import compact_mask, tile_states
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def expected_states(visible: torch.Tensor, zero_bias: torch.Tensor, tile_m: int, tile_n: int):
+    """Per-tile state by direct slicing. Rows and keys past the edge do not count: the kernel
+    hides them by its bounds check, so an edge tile can be full."""
+    b, h, sq, skv = visible.shape
+    rows = tile_m if sq > 1 else 1
+    n_m, n_n = -(-sq // rows), -(-skv // tile_n)
+    out = torch.empty(b, h, n_m, n_n, dtype=torch.int8)
+    for i in range(n_m):
+        for j in range(n_n):
+            vis = visible[:, :, i * rows:(i + 1) * rows, j * tile_n:(j + 1) * tile_n]
+            zero = zero_bias[:, :, i * rows:(i + 1) * rows, j * tile_n:(j + 1) * tile_n]
+            full = zero.flatten(2).all(-1)
+            out[:, :, i, j] = torch.where(full, FULL, torch.where(vis.flatten(2).any(-1),
+                                                                  PARTIAL, EMPTY))
+    return out
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (16, 32)])
+@pytest.mark.parametrize("shape", [(2, 3, 70, 300), (2, 1, 1, 300)])
+def test_tile_states_bool(shape, tile_m, tile_n):
+    g = torch.Generator().manual_seed(0)
+    visible = torch.rand(shape, generator=g) < 0.97
+    visible[..., :tile_n] = True                       # a full tile (when the rows fill it)
+    visible[..., tile_n:2 * tile_n] = False            # an empty tile
+    compact = compact_mask(visible, shape[0], 3, 70 if shape[2] > 1 else 1, shape[3])
+    got = tile_states(compact, tile_m, tile_n)
+    assert torch.equal(got, expected_states(visible, visible, tile_m, tile_n))
+    assert {EMPTY, PARTIAL} <= set(got.unique().tolist())
+
+
+def test_tile_states_additive_full_needs_zero_bias():
+    bias = torch.zeros(1, 1, 64, 256)
+    bias[..., 128:] = 0.5                              # visible, but the tile must be loaded
+    bias[..., 200] = float("-inf")
+    compact = compact_mask(bias, 1, 1, 64, 256)
+    got = tile_states(compact, 64, 128)
+    assert got.flatten().tolist() == [FULL, PARTIAL]
+
+
+def test_compact_mask_memoises_its_tables():
+    compact = compact_mask(torch.rand(2, 1, 1, 300) < 0.5, 2, 4, 16, 300)
+    first = compact.states(64, 128)
+    assert compact.states(64, 128) is first            # built once for every layer
+    other = compact.states(64, 64)
+    assert other is not first and other.shape[-1] == 5
