@@ -1,13 +1,21 @@
 """Kernel sweep: `tiled` side by side with torch SDPA backends and eager attention.
 
 Every backend's output is checked against an fp32 reference before it is timed; a backend that
-refuses a shape is recorded as `unsupported` with the reason. Timing: CUDA events, warm-up,
-median of many repetitions, rotating input sets when they fit in L2.
+refuses a shape is recorded as `unsupported` with the reason. Two times per point, both with
+CUDA events and input sets rotated when they fit in L2: `ms`, the median of single calls from an
+idle GPU (one call's latency: the host's launch work is in it), and `gpu_ms`, the median time
+per call of calls queued back to back (throughput: the kernel alone unless the host is slower).
+
+Sliding windows (`--window`) and left-padded batches (`--left-pad`) give `tiled` what the
+transformers adapter gives it (the window, a (B, 1, 1, Skv) key mask) and the other backends
+the dense (B, 1, Sq, Skv) mask transformers builds for them; TF/s then count only the visible
+(query, key) pairs, so they compare with the plain causal kernel per useful FLOP.
 
     python eval/kernel_bench.py                         # the standard sweep on the GPU
     python eval/kernel_bench.py --seq 4096 --head-dim 128 --dtype bf16 --causal both
     python eval/kernel_bench.py --schedule tile_m=64,128 --schedule tile_n=64,128
     python eval/kernel_bench.py --preset standard           # the performance targets' sweep
+    python eval/kernel_bench.py --preset masks              # windows and padding vs causal
     python eval/kernel_bench.py --profile --seq 8192 --head-dim 128 --causal on
 
 Results: eval/results/<gpu>/kernel_sweep.csv, environment.json and PNG plots.
@@ -28,15 +36,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
+from hf_tiled_attention.masks import compact_mask  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
-from hf_tiled_attention.timing import median_ms  # noqa: E402
+from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
 from eval.common import ResultsWriter, parse_schedules, results_dir  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
             "eager"]
 COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim",
-           "causal", "schedule", "ms", "tflops", "max_err", "status", "reason"]
+           "causal", "window", "left_pad", "schedule", "ms", "tflops", "gpu_ms", "gpu_tflops",
+           "max_err", "status", "reason"]
 L2_BYTES = 60 * 2**20
 # Named sweeps; explicit flags still override them. Each writes to its own results subfolder.
 PRESETS = {
@@ -51,6 +61,11 @@ PRESETS = {
     # Decode-like Sq=1 against long key sequences.
     "decode": dict(seq=[1024, 4096, 16384], head_dim=[64, 128], dtype=["bf16"], heads=["32/8"],
                    decode=True, batch=8, backends=["tiled", "sdpa_auto", "sdpa_flash", "eager"]),
+    # The issue's masked-case targets: sliding window and left padding against plain causal
+    # (Mistral's 4096 window at 16k; padding up to half of a row).
+    "masks": dict(seq=[4096, 16384], head_dim=[128], dtype=["bf16"], heads=["32/8"],
+                  causal="on", window=[0, 1024, 4096], left_pad=[0.0, 0.5], batch=4,
+                  backends=["tiled", "sdpa_auto", "sdpa_efficient", "sdpa_cudnn"]),
 }
 
 
@@ -62,16 +77,57 @@ def sdpa_backend(name: str):
     return sdpa_kernel([chosen]) if chosen is not None else contextlib.nullcontext()
 
 
-def make_call(backend: str, causal: bool, schedule: hta.Schedule | None):
-    """A function (q, k, v) -> out for one backend, all with the op's semantics."""
+def left_pad_mask(batch: int, seq_kv: int, fraction: float, device) -> torch.Tensor | None:
+    """(B, 1, 1, Skv) bool key mask of a left-padded batch: row b's first
+    ``fraction * Skv * (b + 1) / B`` keys are padding (rows of different lengths)."""
+    if not fraction:
+        return None
+    pads = torch.tensor([int(fraction * seq_kv * (b + 1) / batch) for b in range(batch)],
+                        device=device)
+    return (torch.arange(seq_kv, device=device) >= pads[:, None])[:, None, None, :]
+
+
+def dense_mask(seq_q: int, seq_kv: int, causal: bool, window: int,
+               key_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """The (1 or B, 1, Sq, Skv) bool mask (True = visible) that the op's semantics define."""
+    pos = torch.arange(seq_q, device=device)[:, None] + (seq_kv - seq_q)
+    keys = torch.arange(seq_kv, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device)
+    if causal:
+        visible &= keys <= pos
+    if window:
+        visible &= keys > pos - window
+        if not causal:
+            visible &= keys < pos + window
+    visible = visible[None, None]
+    return visible if key_mask is None else visible & key_mask
+
+
+def make_call(backend: str, causal: bool, schedule: hta.Schedule | None, window: int = 0,
+              key_mask: torch.Tensor | None = None):
+    """A function (q, k, v) -> out for one backend, all with the op's semantics. ``tiled`` gets
+    the window and key mask as the transformers adapter passes them; the others a dense mask
+    (built here, once, outside the timed call) when there is a window or a key mask."""
     if backend == "tiled":
-        return lambda q, k, v: hta.tiled_attention(q, k, v, is_causal=causal, schedule=schedule)
+        return lambda q, k, v: hta.tiled_attention(q, k, v, key_mask, is_causal=causal,
+                                                   window=window or None, schedule=schedule)
+    dense = None
+
+    def visible(q, k):
+        nonlocal dense
+        if dense is None and (window or key_mask is not None):
+            dense = dense_mask(q.shape[2], k.shape[2], causal, window, key_mask, q.device)
+        return dense
+
     if backend == "eager":
         def eager(q, k, v):  # what transformers' eager path does: repeat kv, matmul, softmax
             group = q.shape[1] // k.shape[1]
+            mask = visible(q, k)
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-            if causal:
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            elif causal:
                 sq, skv = q.shape[2], k.shape[2]
                 hide = torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(skv - sq + 1)
                 s = s.masked_fill(hide, float("-inf"))
@@ -79,26 +135,30 @@ def make_call(backend: str, causal: bool, schedule: hta.Schedule | None):
         return eager
 
     def sdpa(q, k, v):
+        mask = visible(q, k)
         with sdpa_backend(backend):
             # SDPA's is_causal is top-left aligned; bottom-right needs Sq == Skv (or Sq == 1).
             return F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal and q.shape[2] > 1, enable_gqa=k.shape[1] != q.shape[1])
+                q, k, v, attn_mask=mask, is_causal=mask is None and causal and q.shape[2] > 1,
+                enable_gqa=k.shape[1] != q.shape[1])
     return sdpa
 
 
-def reference(q, k, v, causal):
-    out, _ = reference_attention(q.float(), k.float(), v.float(), None, causal=causal,
-                                        scale=q.shape[-1] ** -0.5, window=None, softcap=None,
-                                        diag_offset=k.shape[2] - q.shape[2])
+def reference(q, k, v, causal, window=0, key_mask=None):
+    mask = None if key_mask is None else compact_mask(key_mask, q.shape[0], q.shape[1],
+                                                      q.shape[2], k.shape[2])
+    out, _ = reference_attention(q.float(), k.float(), v.float(), mask, causal=causal,
+                                 scale=q.shape[-1] ** -0.5, window=window or None, softcap=None,
+                                 diag_offset=k.shape[2] - q.shape[2])
     return out
 
 
 def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal,
-              schedule, args) -> dict:
+              window, left_pad, schedule, args) -> dict:
     row = dict(backend=backend, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-               seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal,
-               schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", max_err="",
-               status="ok", reason="")
+               seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal, window=window,
+               left_pad=left_pad, schedule=(schedule or hta.Schedule()).label(), ms="",
+               tflops="", gpu_ms="", gpu_tflops="", max_err="", status="ok", reason="")
     torch_dtype = DTYPES[dtype]
     one_set = 2 * batch * (heads_q * seq_q + 2 * heads_kv * seq_kv) * head_dim * \
         torch_dtype.itemsize
@@ -111,7 +171,8 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
 
     sets = [(rand(batch, heads_q, seq_q, head_dim), rand(batch, heads_kv, seq_kv, head_dim),
              rand(batch, heads_kv, seq_kv, head_dim)) for _ in range(n_sets)]
-    fn = make_call(backend, causal, schedule)
+    key_mask = left_pad_mask(batch, seq_kv, left_pad, device)
+    fn = make_call(backend, causal, schedule, window, key_mask)
     try:
         out = fn(*sets[0])
         if device == "cuda":
@@ -122,10 +183,13 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     except RuntimeError as exc:  # SDPA backends refuse shapes with a RuntimeError
         row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
         return row
-    # Check against an fp32 reference (first batch/head group bounded in size).
+    # Check against an fp32 reference (first batch bounded in size), on the query rows that
+    # see some key (what a backend returns for the others differs: 0, NaN).
     q, k, v = (t[:1] for t in sets[0])
-    want = reference(q, k, v, causal)
-    err = (out[:1].float() - want).abs().max().item()
+    first_mask = None if key_mask is None else key_mask[:1]
+    want = reference(q, k, v, causal, window, first_mask)
+    seen = dense_mask(seq_q, seq_kv, causal, window, first_mask, device).any(-1, keepdim=True)
+    err = torch.where(seen, out[:1].float() - want, 0.0).abs().max().item()
     row["max_err"] = f"{err:.3g}"
     bound = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-2}[dtype]
     if not math.isfinite(err) or err > bound:
@@ -133,10 +197,17 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
         return row
     del out
     ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
-    flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
-    if causal:
-        flops /= 2
+    if window or key_mask is not None:  # useful work only: the visible (query, key) pairs
+        pairs = dense_mask(seq_q, seq_kv, causal, window, key_mask, device).sum().item()
+        flops = 4 * heads_q * head_dim * pairs * (1 if key_mask is not None else batch)
+    else:
+        flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
+        if causal:
+            flops /= 2
     row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}")
+    if device == "cuda":
+        gpu_ms = back_to_back_ms(fn, sets, reps=max(1, args.reps // 5))
+        row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.1f}")
     return row
 
 
@@ -145,7 +216,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == r["seq_kv"]]
+    ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == r["seq_kv"]
+          and not r["window"] and not r["left_pad"]]
     paths = []
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["heads_q"], r["heads_kv"])
                      for r in ok})
@@ -192,6 +264,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=0,
                         help="batch size (0: 16k tokens per batch, as in FlashAttention's bench)")
     parser.add_argument("--decode", action="store_true", help="also run Sq=1 against each Skv")
+    parser.add_argument("--window", type=int, nargs="+", default=[0],
+                        help="sliding windows to sweep (0 = none)")
+    parser.add_argument("--left-pad", type=float, nargs="+", default=[0.0],
+                        help="left-padding fractions to sweep: batch row b pads "
+                             "fraction * S * (b+1) / B keys (0 = no mask)")
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
     parser.add_argument("--schedule", action="append", default=[],
                         help="sweep a Schedule field: FIELD=V1,V2 (repeatable; cross product)")
@@ -202,12 +279,20 @@ def main(argv=None) -> int:
                         help="run the first configuration of `tiled` under torch.profiler and "
                              "print its kernel table (wrap with `ncu --clock-control none` for "
                              "hardware counters)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the plot from the --out folder's kernel_sweep.csv "
+                             "(a run cut short by a time limit keeps its CSV but no plot)")
     parser.add_argument("--preset", choices=list(PRESETS),
                         help="a named sweep: " + ", ".join(PRESETS) + " (flags override it)")
     preset = parser.parse_known_args(argv)[0].preset
     if preset:
         parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
+    out_dir = args.out or (results_dir() / f"sweep-{preset}" if preset else results_dir())
+    if args.replot:
+        for path in plot(read_rows(out_dir / "kernel_sweep.csv"), out_dir):
+            print("plot:", path)
+        return 0
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA GPU here; running tiny sizes on the CPU (tiled = the "
               "reference path). These numbers say nothing about GPU speed.")
@@ -220,27 +305,30 @@ def main(argv=None) -> int:
     if args.profile:
         return profile(args, heads[0], causal_values[0], schedules[0])
 
-    out_dir = args.out or (results_dir() / f"sweep-{preset}" if preset else results_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.simplefilter("ignore")
     results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv)
     points = []
-    for dtype, d, causal, (hq, hkv), seq in itertools.product(
-            args.dtype, args.head_dim, causal_values, heads, args.seq):
+    for dtype, d, causal, (hq, hkv), seq, window, pad in itertools.product(
+            args.dtype, args.head_dim, causal_values, heads, args.seq, args.window,
+            args.left_pad):
+        if window >= seq:  # the same work as no window
+            continue
         batch = args.batch or max(1, 16384 // seq)
-        points.append((dtype, batch, hq, hkv, seq, seq, d, causal))
+        points.append((dtype, batch, hq, hkv, seq, seq, d, causal, window, pad))
         if args.decode:
-            points.append((dtype, batch, hq, hkv, 1, seq, d, causal))
-    for dtype, batch, hq, hkv, sq, skv, d, causal in points:
+            points.append((dtype, batch, hq, hkv, 1, seq, d, causal, window, pad))
+    for dtype, batch, hq, hkv, sq, skv, d, causal, window, pad in points:
         for backend in args.backends:
             for schedule in (schedules if backend == "tiled" else [None]):
-                row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, schedule,
-                                args)
+                row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, window, pad,
+                                schedule, args)
                 results.add(row)
                 print(f"{backend:15s} {dtype} b{batch} h{hq}/{hkv} q{sq} k{skv} d{d} "
-                      f"causal={int(causal)} {row['schedule']:>10s}  {row['status']:11s} "
-                      f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s err {row['max_err']}",
-                      flush=True)
+                      f"causal={int(causal)} w{window} pad{pad} {row['schedule']:>10s}  "
+                      f"{row['status']:11s} {row['ms']:>9s} ms {row['tflops']:>7s} TF/s "
+                      f"gpu {row['gpu_ms']:>9s} ms {row['gpu_tflops']:>7s} TF/s "
+                      f"err {row['max_err']}", flush=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     csv_path = results.finish()
@@ -251,22 +339,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def read_rows(path: Path) -> list[dict]:
+    """A kernel_sweep.csv back as the rows run_point made (numbers as numbers)."""
+    import csv
+    types = dict(batch=int, heads_q=int, heads_kv=int, seq_q=int, seq_kv=int, head_dim=int,
+                 causal=lambda v: v == "True", window=int, left_pad=float)
+    with open(path) as f:
+        return [{k: types[k](v) if k in types and v != "" else v for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
 def print_summary(rows: list[dict]) -> None:
-    """Geometric-mean speedup of tiled over each backend on the points both ran."""
-    by_key = {}
-    for r in rows:
-        if r["status"] == "ok":
-            key = (r["dtype"], r["batch"], r["heads_q"], r["heads_kv"], r["seq_q"], r["seq_kv"],
-                   r["head_dim"], r["causal"])
-            times = by_key.setdefault(key, {})
-            # tiled may appear once per swept schedule: keep its best.
-            times[r["backend"]] = min(float(r["ms"]), times.get(r["backend"], math.inf))
-    for backend in BACKENDS[1:]:
-        ratios = [v[backend] / v["tiled"] for v in by_key.values() if backend in v and "tiled" in v]
-        if ratios:
-            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            print(f"tiled vs {backend:15s}: geomean speedup {gm:.3f}x over {len(ratios)} points, "
-                  f"min {min(ratios):.3f}x")
+    """Geometric-mean speedup of tiled over each backend on the points both ran, for single-call
+    latency (ms) and back-to-back throughput (gpu_ms)."""
+    for column in ("ms", "gpu_ms"):
+        by_key = {}
+        for r in rows:
+            if r["status"] == "ok" and r[column]:
+                key = (r["dtype"], r["batch"], r["heads_q"], r["heads_kv"], r["seq_q"],
+                       r["seq_kv"], r["head_dim"], r["causal"], r["window"], r["left_pad"])
+                times = by_key.setdefault(key, {})
+                # tiled may appear once per swept schedule: keep its best.
+                times[r["backend"]] = min(float(r[column]), times.get(r["backend"], math.inf))
+        for backend in BACKENDS[1:]:
+            ratios = [v[backend] / v["tiled"] for v in by_key.values()
+                      if backend in v and "tiled" in v]
+            if ratios:
+                gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                print(f"[{column:6s}] tiled vs {backend:15s}: geomean speedup {gm:.3f}x over "
+                      f"{len(ratios)} points, min {min(ratios):.3f}x")
 
 
 def profile(args, heads, causal, schedule) -> int:

@@ -33,6 +33,9 @@ def test_kernel_bench_cpu(tmp_path):
     assert env["kernel_sweep"]["complete"] is True
     assert len(env["kernel_sweep"]["hf_tiled_attention_source_sha256"]) == 16
     assert (tmp_path / "kernel_sweep.png").exists()
+    (tmp_path / "kernel_sweep.png").unlink()
+    assert kernel_bench.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "kernel_sweep.png").exists()
 
 
 def test_results_survive_a_run_cut_short(tmp_path):
@@ -109,6 +112,50 @@ def test_kernel_bench_presets_run_on_cpu(tmp_path):
     assert {(r["head_dim"], r["seq_q"], r["heads_q"], r["heads_kv"]) for r in rows} == \
         {("80", "32", "32", "8")}
     assert all(r["status"] in ("ok", "unsupported") for r in rows)
+
+
+def test_kernel_bench_masks_preset_on_cpu(tmp_path):
+    """Windows and left padding: every backend agrees with the reference on the rows that see
+    a key, and TF/s count only the visible pairs."""
+    from eval import kernel_bench
+    assert kernel_bench.main(["--preset", "masks", "--seq", "96", "--window", "0", "32",
+                              "--left-pad", "0", "0.5", "--heads", "4/2", "--batch", "2",
+                              "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {(r["window"], r["left_pad"]) for r in rows} == \
+        {("0", "0.0"), ("0", "0.5"), ("32", "0.0"), ("32", "0.5")}
+    for backend in ("tiled", "sdpa_auto"):
+        mine = [r for r in rows if r["backend"] == backend]
+        assert len(mine) == 4 and all(r["status"] == "ok" for r in mine), mine
+
+
+def test_kernel_bench_counts_visible_pairs():
+    from eval.kernel_bench import dense_mask, left_pad_mask
+    keys = left_pad_mask(2, 8, 0.5, "cpu")
+    assert keys.shape == (2, 1, 1, 8) and keys.sum(-1).flatten().tolist() == [6, 4]  # pads 2, 4
+    window = dense_mask(8, 8, causal=True, window=3, key_mask=None, device="cpu")
+    assert window.sum().item() == 1 + 2 + 3 * 6
+    both = dense_mask(8, 8, causal=True, window=0, key_mask=keys, device="cpu")
+    assert both.shape == (2, 1, 8, 8) and not both[0, 0, :, :2].any()
+    assert left_pad_mask(2, 8, 0.0, "cpu") is None
+
+
+def test_ncu_summary_reads_the_raw_page():
+    from eval.ncu_profile import parse_raw_page, summarise
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    names = ["ID", "Kernel Name", "gpu__time_duration.sum",
+             "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+             stall.format("barrier"), stall.format("wait"), "unrelated__metric"]
+    units = ["", "", "ns", "%", "inst", "inst", ""]
+    stdout = "==PROF== Connected to process\n" + "\n".join(
+        ",".join(f'"{v}"' for v in row) for row in
+        (names, units, ["0", "attention_forward", "1,802,272", "65.40", "2.80", "1.20", "7"]))
+    kernels, text = parse_raw_page(stdout)
+    assert text.startswith('"ID"') and len(kernels) == 1
+    rows = summarise("tiled", kernels[0])
+    assert [r["metric"] for r in rows] == [names[2], names[3], names[4], names[5]]
+    assert rows[0]["value"] == "1,802,272" and rows[0]["unit"] == "ns"
+    assert parse_raw_page("==PROF== no kernels profiled\n") == ([], "")
 
 
 def test_host_overhead_says_it_needs_a_gpu():
