@@ -2,7 +2,8 @@
 
 One block (grid: query tiles x query heads x batch) computes one output tile: it streams the key/value
 tiles that the query tile can see and keeps an online softmax (running max ``m``, running sum
-``l`` and the unnormalised output ``acc``) in fp32.
+``l`` and the unnormalised output ``acc``) in fp32. With ``PERSISTENT`` a smaller 1-D grid's
+blocks loop over the same tiles in the same order.
 
 Visibility of key ``j`` for query row ``i`` (``pos = i + diag_offset``, keys and positions in key
 coordinates):
