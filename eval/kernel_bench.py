@@ -299,6 +299,10 @@ def main(argv=None) -> int:
         if argv is None:  # plain command line: shrink the default sweep to CPU sizes
             args.seq, args.head_dim, args.heads, args.dtype = [128, 256], [64], ["4/2"], ["bf16"]
             args.reps, args.warmup, args.batch = 3, 1, 1
+    if any(w < 0 for w in args.window):
+        raise SystemExit(f"--window expects sizes >= 0 (0 = no window), got {args.window}")
+    if any(not 0.0 <= f < 1.0 for f in args.left_pad):
+        raise SystemExit(f"--left-pad expects fractions in [0, 1), got {args.left_pad}")
     schedules = parse_schedules(args.schedule)
     causal_values = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]

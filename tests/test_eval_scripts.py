@@ -129,6 +129,14 @@ def test_kernel_bench_masks_preset_on_cpu(tmp_path):
         assert len(mine) == 4 and all(r["status"] == "ok" for r in mine), mine
 
 
+@pytest.mark.parametrize("flags, message", [(["--window", "-1"], "--window expects"),
+                                            (["--left-pad", "1.0"], "--left-pad expects")])
+def test_kernel_bench_rejects_bad_mask_sweeps(flags, message):
+    from eval import kernel_bench
+    with pytest.raises(SystemExit, match=message):
+        kernel_bench.main(flags)
+
+
 def test_kernel_bench_counts_visible_pairs():
     from eval.kernel_bench import dense_mask, left_pad_mask
     keys = left_pad_mask(2, 8, 0.5, "cpu")
