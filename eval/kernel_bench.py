@@ -104,25 +104,18 @@ def dense_mask(seq_q: int, seq_kv: int, causal: bool, window: int,
 
 
 def make_call(backend: str, causal: bool, schedule: hta.Schedule | None, window: int = 0,
-              key_mask: torch.Tensor | None = None):
+              key_mask: torch.Tensor | None = None, dense: torch.Tensor | None = None):
     """A function (q, k, v) -> out for one backend, all with the op's semantics. ``tiled`` gets
-    the window and key mask as the transformers adapter passes them; the others a dense mask
-    (built here, once, outside the timed call) when there is a window or a key mask."""
+    the window and key mask as the transformers adapter passes them; the others ``dense``, the
+    :func:`dense_mask` of the call (built once, outside the timed call), when there is a window
+    or a key mask."""
     if backend == "tiled":
         return lambda q, k, v: hta.tiled_attention(q, k, v, key_mask, is_causal=causal,
                                                    window=window or None, schedule=schedule)
-    dense = None
-
-    def visible(q, k):
-        nonlocal dense
-        if dense is None and (window or key_mask is not None):
-            dense = dense_mask(q.shape[2], k.shape[2], causal, window, key_mask, q.device)
-        return dense
-
+    mask = dense if window or key_mask is not None else None
     if backend == "eager":
         def eager(q, k, v):  # what transformers' eager path does: repeat kv, matmul, softmax
             group = q.shape[1] // k.shape[1]
-            mask = visible(q, k)
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
             if mask is not None:
@@ -135,7 +128,6 @@ def make_call(backend: str, causal: bool, schedule: hta.Schedule | None, window:
         return eager
 
     def sdpa(q, k, v):
-        mask = visible(q, k)
         with sdpa_backend(backend):
             # SDPA's is_causal is top-left aligned; bottom-right needs Sq == Skv (or Sq == 1).
             return F.scaled_dot_product_attention(
@@ -172,7 +164,10 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     sets = [(rand(batch, heads_q, seq_q, head_dim), rand(batch, heads_kv, seq_kv, head_dim),
              rand(batch, heads_kv, seq_kv, head_dim)) for _ in range(n_sets)]
     key_mask = left_pad_mask(batch, seq_kv, left_pad, device)
-    fn = make_call(backend, causal, schedule, window, key_mask)
+    # Which (query, key) pairs are visible: the other backends' mask, the rows the check
+    # compares and the useful work.
+    visible = dense_mask(seq_q, seq_kv, causal, window, key_mask, device)
+    fn = make_call(backend, causal, schedule, window, key_mask, visible)
     try:
         out = fn(*sets[0])
         if device == "cuda":
@@ -188,7 +183,7 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     q, k, v = (t[:1] for t in sets[0])
     first_mask = None if key_mask is None else key_mask[:1]
     want = reference(q, k, v, causal, window, first_mask)
-    seen = dense_mask(seq_q, seq_kv, causal, window, first_mask, device).any(-1, keepdim=True)
+    seen = visible[:1].any(-1, keepdim=True)
     err = torch.where(seen, out[:1].float() - want, 0.0).abs().max().item()
     row["max_err"] = f"{err:.3g}"
     bound = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-2}[dtype]
@@ -198,8 +193,8 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     del out
     ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
     if window or key_mask is not None:  # useful work only: the visible (query, key) pairs
-        pairs = dense_mask(seq_q, seq_kv, causal, window, key_mask, device).sum().item()
-        flops = 4 * heads_q * head_dim * pairs * (1 if key_mask is not None else batch)
+        pairs = visible.sum().item() * batch // visible.shape[0]
+        flops = 4 * heads_q * head_dim * pairs
     else:
         flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
         if causal:
