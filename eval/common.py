@@ -21,6 +21,8 @@ import torch
 from hf_tiled_attention import Schedule
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+# Command-line dtype names of the kernel evals.
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "hf_tiled_attention"
 
 
@@ -126,6 +128,12 @@ class ResultsWriter:
         data = json.loads(path.read_text()) if path.exists() else {}
         data[self.job] = {**self.environment, **extra}
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"32/8"`` -> (Hq, Hkv)."""
+    heads_q, heads_kv = (int(x) for x in text.split("/"))
+    return heads_q, heads_kv
 
 
 def parse_schedules(specs: list[str]) -> list[Schedule | None]:

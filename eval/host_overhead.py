@@ -27,6 +27,7 @@ from hf_tiled_attention.launch import (kernel_arguments, plan_kernel, plan_launc
                                        run_kernel)
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
+from eval.common import parse_heads  # noqa: E402
 
 CALLS = 200
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work)")
     import cuda.tile as ct
 
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    hq, hkv = parse_heads(args.heads)
     d, scale = args.head_dim, args.head_dim ** -0.5
     q = torch.randn(args.batch, hq, args.seq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(args.batch, hkv, args.seq, d, device="cuda", dtype=torch.bfloat16)

@@ -28,10 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_tiled_attention import Schedule  # noqa: E402
 from hf_tiled_attention.launch import export_cubin, plan_launch  # noqa: E402
-from eval.common import parse_schedules  # noqa: E402
+from eval.common import DTYPES, parse_heads, parse_schedules  # noqa: E402
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Instruction classes worth a glance: tensor cores, TMA, spills, softmax math, conversions.
 WATCH = ["HGMMA", "HMMA", "UTMALDG", "LDG", "LDL", "STL", "MUFU", "FFMA", "FMUL", "FADD",
          "FMNMX", "F2FP", "SYNCS", "BAR"]
@@ -109,7 +108,7 @@ def main(argv=None) -> int:
     schedules = parse_schedules(args.schedule)
     if len(schedules) != 1:
         raise SystemExit("--schedule takes one value per field here (FIELD=VALUE)")
-    heads = tuple(int(x) for x in args.heads.split("/"))
+    heads = parse_heads(args.heads)
     cubin = compile_cubin(arch=args.arch, dtype=DTYPES[args.dtype], head_dim=args.head_dim,
                           causal=args.causal, heads=heads, seq_q=args.seq_q, seq_kv=args.seq_kv,
                           schedule=schedules[0])

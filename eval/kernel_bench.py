@@ -39,9 +39,9 @@ import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.masks import compact_mask  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
-from eval.common import ResultsWriter, parse_schedules, results_dir  # noqa: E402
+from eval.common import (DTYPES, ResultsWriter, parse_heads, parse_schedules,  # noqa: E402
+                         results_dir)
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
             "eager"]
 COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim",
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--left-pad expects fractions in [0, 1), got {args.left_pad}")
     schedules = parse_schedules(args.schedule)
     causal_values = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
-    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    heads = [parse_heads(h) for h in args.heads]
     if args.profile:
         return profile(args, heads[0], causal_values[0], schedules[0])
 

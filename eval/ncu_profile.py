@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval.common import ResultsWriter, parse_schedules, results_dir  # noqa: E402
+from eval.common import (DTYPES, ResultsWriter, parse_heads, parse_schedules,  # noqa: E402
+                         results_dir)
 
 NVTX_RANGE = "profiled_call"
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy",
@@ -57,9 +58,9 @@ COLUMNS = ["backend", "kernel", "metric", "unit", "value"]
 
 def workload(args) -> None:
     """What ncu runs: one backend, a warm-up call, then the profiled call in an NVTX range."""
-    from eval.kernel_bench import DTYPES, make_call
+    from eval.kernel_bench import make_call
 
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    hq, hkv = parse_heads(args.heads)
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=gen, device="cuda",
