@@ -85,14 +85,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     layers so its tile tables are built once. Returns ``(out, lse)``; ``lse`` is None unless
     ``return_lse`` (a kernel that skips it saves an allocation and its stores)."""
     batch, heads_q, seq_q, head_dim = query.shape
-    mask = None
-    if attn_mask is not None:
-        tensor = attn_mask.tensor if isinstance(attn_mask, CompactMask) else attn_mask
-        if isinstance(tensor, torch.Tensor) and tensor.device != query.device:
-            raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
-                             f"{tensor.device}")
-        mask = attn_mask if isinstance(attn_mask, CompactMask) else compact_mask(
-            attn_mask, batch, heads_q, seq_q, key.shape[2])
+    mask = attn_mask
+    if attn_mask is not None and not isinstance(attn_mask, CompactMask):
+        mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
+    if mask is not None and mask.tensor.device != query.device:
+        raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
+                         f"{mask.tensor.device}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:

@@ -403,13 +403,8 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if batch != 1:
             raise ValueError("cu_seq_lens_q/k describe one flattened sequence, so the batch size "
                              f"must be 1, got {batch}")
-        docs = None if memo is None else memo.get("cu")
-        if docs is None or docs[0] is not cu_q or docs[1] is not cu_k:
-            doc_mask = _doc_mask_from_cu_seqlens(cu_q, cu_k, seq_q, seq_kv, causal, window)
-            docs = (cu_q, cu_k, doc_mask)
-            if memo is not None and not _compiling():
-                memo["cu"] = docs
-        doc_mask = docs[2]
+        doc_mask = _remembered(memo, "cu", (cu_q, cu_k), lambda: _doc_mask_from_cu_seqlens(
+            cu_q, cu_k, seq_q, seq_kv, causal, window))
         if mask is None:
             mask = doc_mask
         elif mask.dtype == torch.bool:
@@ -423,19 +418,17 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # Restarting position_ids mark packed documents (FlashAttention's convention, used when
         # no padding mask exists). transformers masks them itself when no cache is passed (we
         # then get a dense mask and skip this); with a cache it would not.
-        entry = None if memo is None else memo.get("pos")
-        if entry is None or entry[0] is not position_ids:
+        def documents() -> Optional[torch.Tensor]:
             pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
-            doc_mask = None
             if pos.shape == (batch, seq_q):
                 ids = _doc_ids_from_position_ids(pos)
                 if bool((ids[:, -1] != 0).any()):
-                    doc_mask = (ids[:, :, None] == ids[:, None, :])[:, None]
-            entry = (position_ids, doc_mask)
-            if memo is not None:
-                memo["pos"] = entry
-        if entry[1] is not None:
-            mask = entry[1]
+                    return (ids[:, :, None] == ids[:, None, :])[:, None]
+            return None
+
+        doc_mask = _remembered(memo, "pos", (position_ids,), documents)
+        if doc_mask is not None:
+            mask = doc_mask
 
     if mask is not None:
         mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
@@ -452,17 +445,22 @@ def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.d
     if mask.device != device:
         # A model split over GPUs (device_map): transformers builds the mask once, on the
         # input's device, and accelerate's hooks move tensors but not a TiledMask.
-        moved = None if memo is None else memo.get(("moved", id(mask), device))
-        if moved is None or moved[0] is not mask:
-            moved = (mask, mask.to(device, non_blocking=True))
-            if memo is not None and not _compiling():
-                memo[("moved", id(mask), device)] = moved
-        mask = moved[1]
-    entry = None if memo is None else memo.get(("compact", id(mask), shape))
-    if entry is None or entry[0] is not mask:
-        entry = (mask, compact_mask(mask, *shape))  # holds `mask`: its id stays unique
+        source = mask
+        mask = _remembered(memo, ("moved", id(source), device), (source,),
+                           lambda: source.to(device, non_blocking=True))
+    return _remembered(memo, ("compact", id(mask), shape), (mask,),
+                       lambda: compact_mask(mask, *shape))
+
+
+def _remembered(memo: Optional[dict], key, sources: tuple, build):
+    """``build()``, kept in the forward's ``memo`` (when there is one and nothing is being
+    compiled) under ``key`` together with the objects it was built from, and rebuilt when any of
+    them is not the one passed now. Holding them keeps their ids, used in keys, unique."""
+    entry = None if memo is None else memo.get(key)
+    if entry is None or any(old is not new for old, new in zip(entry[0], sources)):
+        entry = (sources, build())
         if memo is not None and not _compiling():
-            memo[("compact", id(mask), shape)] = entry
+            memo[key] = entry
     return entry[1]
 
 
