@@ -134,4 +134,3 @@ def tuned_schedule(key: TuneKey, run: Callable[[Schedule], object], *,
     best, timings = tune(run, CANDIDATES, cuda=cuda)
     _cache.put(key, best, timings)
     return best
-

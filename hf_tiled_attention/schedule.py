@@ -132,8 +132,9 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # eval/results/<gpu>/; other archs use the sm_90 entries.
 _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
                  k_latency=2, v_latency=4, heavy_first=True,
-                 # Off until they win (perf-notes step 6): measured on the H200 they sped up
-                 # decode only at D=128 with 16k keys and slowed shorter caches 1.1-4x.
+                 # perf-notes: key splits and GQA packing (step 7) and the persistent grid
+                 # (step 13) lost on the H200 where it matters and stay off; the head-dim
+                 # split (step 9) won.
                  kv_splits=1, pack_gqa=False, split_head_dim=True, persistent=False)
 # One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
 _ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)

@@ -40,7 +40,6 @@ def median_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *, cuda: bool, wa
     return statistics.median(times)
 
 
-
 def back_to_back_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *, reps: int = 20,
                     rounds: int = 5) -> float:
     """Milliseconds per call with calls queued back to back (GPU only): the median over
