@@ -60,7 +60,7 @@ PRESETS = {
                                                 "sdpa_efficient", "sdpa_cudnn"]),
     # Decode-like Sq=1 against long key sequences.
     "decode": dict(seq=[1024, 4096, 16384], head_dim=[64, 128], dtype=["bf16"], heads=["32/8"],
-                   decode=True, batch=8, backends=["tiled", "sdpa_auto", "sdpa_flash", "eager"]),
+                   decode="also", batch=8, backends=["tiled", "sdpa_auto", "sdpa_flash", "eager"]),
     # The masked-case targets: sliding window and left padding against plain causal
     # (Mistral's 4096 window at 16k; padding up to half of a row).
     "masks": dict(seq=[4096, 16384], head_dim=[128], dtype=["bf16"], heads=["32/8"],
@@ -258,7 +258,8 @@ def main(argv=None) -> int:
                         help="Hq/Hkv pairs, e.g. 32/8 (GQA) 32/32 (MHA)")
     parser.add_argument("--batch", type=int, default=0,
                         help="batch size (0: 16k tokens per batch, as in FlashAttention's bench)")
-    parser.add_argument("--decode", action="store_true", help="also run Sq=1 against each Skv")
+    parser.add_argument("--decode", nargs="?", const="also", choices=["also", "only"],
+                        help="also run Sq=1 against each Skv (`--decode only`: just those)")
     parser.add_argument("--window", type=int, nargs="+", default=[0],
                         help="sliding windows to sweep (0 = none)")
     parser.add_argument("--left-pad", type=float, nargs="+", default=[0.0],
@@ -314,7 +315,8 @@ def main(argv=None) -> int:
         if window >= seq:  # the same work as no window
             continue
         batch = args.batch or max(1, 16384 // seq)
-        points.append((dtype, batch, hq, hkv, seq, seq, d, causal, window, pad))
+        if args.decode != "only":
+            points.append((dtype, batch, hq, hkv, seq, seq, d, causal, window, pad))
         if args.decode:
             points.append((dtype, batch, hq, hkv, 1, seq, d, causal, window, pad))
     for dtype, batch, hq, hkv, sq, skv, d, causal, window, pad in points:

@@ -114,6 +114,18 @@ def test_kernel_bench_presets_run_on_cpu(tmp_path):
     assert all(r["status"] in ("ok", "unsupported") for r in rows)
 
 
+@pytest.mark.parametrize("decode, seq_q", [("also", {"1", "48"}), ("only", {"1"})])
+def test_kernel_bench_decode_points(tmp_path, decode, seq_q):
+    from eval import kernel_bench
+    assert kernel_bench.main(["--seq", "48", "--head-dim", "32", "--heads", "4/2", "--batch", "1",
+                              "--dtype", "bf16", "--causal", "off", "--backends", "tiled",
+                              "--decode", decode, "--reps", "1", "--warmup", "0",
+                              "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["seq_q"] for r in rows} == seq_q and {r["seq_kv"] for r in rows} == {"48"}
+    assert all(r["status"] == "ok" for r in rows)
+
+
 def test_kernel_bench_masks_preset_on_cpu(tmp_path):
     """Windows and left padding: every backend agrees with the reference on the rows that see
     a key, and TF/s count only the visible pairs."""
