@@ -60,7 +60,8 @@ def compile_cubin(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     q = torch.empty(1, heads[0], seq_q, head_dim, dtype=dtype, device="meta")
     k = torch.empty(1, heads[1], seq_kv, head_dim, dtype=dtype, device="meta")
     arch_major = int(arch.removeprefix("sm_")) // 10
-    resolved = resolve_schedule(schedule, arch_major, dtype, head_dim, causal)
+    resolved = resolve_schedule(schedule, arch_major, dtype, head_dim, causal, seq_q=seq_q,
+                                seq_kv=seq_kv)
     plan = plan_launch(q, k, None, causal=causal, scale=head_dim ** -0.5, window=None,
                        softcap=None, diag_offset=seq_kv - seq_q, schedule=resolved,
                        return_lse=True, sm_count=sm_count)

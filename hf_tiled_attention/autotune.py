@@ -1,7 +1,7 @@
 """Opt-in autotuner: times candidate schedules on the call's own inputs and remembers the winner.
 
 Enable with ``HF_TILED_ATTENTION_AUTOTUNE=1``. The first kernel call for a key
-(GPU arch, dtype, head-dim tile, causal, key-length bucket) runs every candidate in
+(GPU arch, dtype, head-dim tile, causal, key-length bucket, short query) runs every candidate in
 :data:`CANDIDATES` (each compiles once, so expect seconds per candidate), keeps the fastest and
 writes it to a JSON cache (``HF_TILED_ATTENTION_CACHE_DIR``, default
 ``~/.cache/hf_tiled_attention``), so later processes skip the search. The tuned schedule replaces
@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .schedule import Schedule
-from .timing import median_ms
+from .timing import back_to_back_ms, median_ms
 
 ENABLE_ENV = "HF_TILED_ATTENTION_AUTOTUNE"
 CACHE_DIR_ENV = "HF_TILED_ATTENTION_CACHE_DIR"
@@ -52,10 +52,12 @@ class TuneKey:
     tile_d: int
     causal: bool
     seq_bucket: int
+    short_query: bool = False   # at most SHORT_QUERY_ROWS query rows (decode): its own entry
 
     def __str__(self) -> str:
         return (f"sm{self.arch_major}x/{self.dtype}/d{self.tile_d}/"
-                f"{'causal' if self.causal else 'full'}/kv{self.seq_bucket}")
+                f"{'causal' if self.causal else 'full'}/kv{self.seq_bucket}"
+                + ("/short-q" if self.short_query else ""))
 
 
 def seq_bucket(seq_kv: int) -> int:
@@ -98,8 +100,20 @@ class ScheduleCache:
         os.replace(tmp, self.path)
 
 
+def throughput_ms(fn: Callable[[], object], *, cuda: bool, warmup: int, reps: int) -> float:
+    """A candidate's time per call with calls queued back to back on the GPU (in a model the
+    attention kernel runs behind other queued work, and every candidate pays the same host
+    time); the host clock's median on the CPU. Single idle-GPU calls picked losers on the H200
+    (perf-notes step 17)."""
+    if not cuda:
+        return median_ms(fn, cuda=False, warmup=warmup, reps=reps)
+    for _ in range(warmup):
+        fn()
+    return back_to_back_ms(fn, reps=reps, rounds=5)
+
+
 def tune(run: Callable[[Schedule], object], candidates: Sequence[Schedule], *, cuda: bool,
-         timer: Callable[..., float] = median_ms, warmup: int = 3,
+         timer: Callable[..., float] = throughput_ms, warmup: int = 3,
          reps: int = 10) -> tuple[Schedule, dict[str, float]]:
     """Time ``run(candidate)`` for each candidate; return the fastest and every timing.
     A candidate that fails (e.g. does not compile for this shape) is recorded as ``inf``."""

@@ -21,7 +21,8 @@ from .checks import check_inputs, check_options
 from .launch import plan_launch, run_kernel
 from .masks import CompactMask, compact_mask
 from .reference import reference_attention
-from .schedule import Schedule, active_override, head_dim_tile, resolve_schedule
+from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
+                       resolve_schedule)
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
 _NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
@@ -148,13 +149,16 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():
         tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
                                     head_dim_tile(query.shape[-1]), causal,
-                                    autotune.seq_bucket(key.shape[2]))
+                                    autotune.seq_bucket(key.shape[2]),
+                                    query.shape[2] <= SHORT_QUERY_ROWS)
         tuned = autotune.tuned_schedule(
             tune_key, lambda candidate: launch_with(resolve_schedule(
-                None, arch_major, query.dtype, query.shape[-1], causal, tuned=candidate)),
+                None, arch_major, query.dtype, query.shape[-1], causal, tuned=candidate,
+                seq_q=query.shape[2], seq_kv=key.shape[2])),
             cuda=True)
     return launch_with(resolve_schedule(explicit, arch_major, query.dtype, query.shape[-1],
-                                        causal, tuned=tuned))
+                                        causal, tuned=tuned, seq_q=query.shape[2],
+                                        seq_kv=key.shape[2]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -152,14 +152,25 @@ for _tile_d in (64, 128):
     _DEFAULTS[(9, _tile_d, False)] = _TWO_WARPGROUPS
 # Head dims that run as 64 + a smaller tile (80, 96; see head_dim_parts): one warpgroup per
 # 64-row tile at occupancy 2 for both masks (perf-notes step 9: D=80 non-causal 450 TF/s at 16k
-# against 381 for the padded two-warpgroup tile; causal 444 vs 345). 128 + a tile (144, 160,
-# 192) keeps the 256 entry: its 64-row tile needs 218 registers at D=192.
+# against 381 for the padded two-warpgroup tile; causal 444 vs 345).
 _SPLIT_AFTER_64 = _ONE_WARPGROUP
+# 128 + a smaller tile (144, 160, 192): two warpgroups on 128x128 tiles for both masks (perf-notes
+# step 16, 4k: D=160 545 / 491 TF/s non-causal / causal against 438 / 400 with the 256 entry's
+# 128x64 and 360 / 324 with one warpgroup's 64x128; D=192 580 / 523 against 458 / 423).
+_SPLIT_AFTER_128 = _TWO_WARPGROUPS
 # D=256: 128x64 with two warpgroups, 581 / 506 TF/s (non-causal / causal, 4k) against 462 / 399
 # for 64x64 with one.
 for _causal in (False, True):
     _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=128, tile_n=64,
                                                        num_worker_warps=8)
+# Calls with little work per query tile take the one-warpgroup 64-row entry instead of the
+# two-warpgroup 128-row one: a query of at most SHORT_QUERY_ROWS rows fills at most half of a
+# 128-row tile (perf-notes step 15: non-causal decode at D=128, 16k keys, 0.471 -> 0.203 ms),
+# and with at most SHORT_KEYS keys two 64-row CTAs per SM hide each other's prologue and
+# epilogue, which the short key loop exposes (step 17: non-causal D=128 at 1k/2k keys 8-10%
+# faster; from 4k the two-warpgroup tile wins, step 5).
+SHORT_QUERY_ROWS = 64
+SHORT_KEYS = 2048
 
 
 def head_dim_tile(head_dim: int) -> int:
@@ -179,14 +190,29 @@ def head_dim_parts(head_dim: int, split: bool) -> tuple[int, int]:
     return head_dim_tile(head_dim), 0
 
 
-def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool) -> Schedule:
-    """The default table's entry for one call (``dtype`` is part of the key for future entries)."""
+def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
+                     seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
+    """The default table's entry for one call (``dtype`` is part of the key for future entries).
+    ``seq_q`` and ``seq_kv``, when known, pick the one-warpgroup tile for short calls (at most
+    :data:`SHORT_QUERY_ROWS` query rows or :data:`SHORT_KEYS` keys)."""
     del dtype
+    return _table_entry(arch_major, head_dim, causal, _is_short(seq_q, seq_kv))
+
+
+def _is_short(seq_q: Optional[int], seq_kv: Optional[int]) -> bool:
+    return ((seq_q is not None and seq_q <= SHORT_QUERY_ROWS)
+            or (seq_kv is not None and seq_kv <= SHORT_KEYS))
+
+
+def _table_entry(arch_major: int, head_dim: int, causal: bool, short: bool) -> Schedule:
     lead, tail = head_dim_parts(head_dim, split=True)
     if tail and lead == 64:
         return _SPLIT_AFTER_64
+    if tail and lead == 128:  # even for short calls: a 64-row tile is short of registers here
+        return _SPLIT_AFTER_128
     tile_d = head_dim_tile(head_dim)
-    return _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
+    entry = _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
+    return _ONE_WARPGROUP if short and entry is _TWO_WARPGROUPS else entry
 
 
 _override: contextvars.ContextVar[Optional[Schedule]] = contextvars.ContextVar(
@@ -211,17 +237,19 @@ def use_schedule(schedule: Schedule) -> Iterator[Schedule]:
 
 
 def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch.dtype,
-                     head_dim: int, causal: bool, tuned: Optional[Schedule] = None) -> Schedule:
+                     head_dim: int, causal: bool, tuned: Optional[Schedule] = None,
+                     seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
     """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
     it), then ``use_schedule``, then ``schedule=``. Memoised: it runs on every kernel call."""
-    return _layered(explicit, _override.get(), tuned, arch_major, dtype, head_dim, causal)
+    return _layered(explicit, _override.get(), tuned, arch_major, head_dim, causal,
+                    _is_short(seq_q, seq_kv))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
-             tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
-             causal: bool) -> Schedule:
-    schedule = default_schedule(arch_major, dtype, head_dim, causal)
+             tuned: Optional[Schedule], arch_major: int, head_dim: int, causal: bool,
+             short: bool) -> Schedule:
+    schedule = _table_entry(arch_major, head_dim, causal, short)
     for layer in (tuned, override, explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)

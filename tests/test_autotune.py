@@ -104,3 +104,24 @@ def test_op_uses_tuned_schedule_unless_overridden(stubbed_kernel, monkeypatch, t
     monkeypatch.setenv(autotune.ENABLE_ENV, "0")
     hta.tiled_attention(q, k, k, is_causal=True)
     assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (64, 128)
+
+
+def test_short_queries_have_their_own_tuning_entry(stubbed_kernel, monkeypatch, tmp_path):
+    k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, False, 512), CANDIDATES[1], {})
+    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, False, 512, short_query=True),
+                                CANDIDATES[4], {})
+    monkeypatch.setenv(autotune.ENABLE_ENV, "1")
+    hta.tiled_attention(torch.randn(1, 4, 300, 128, dtype=torch.bfloat16), k, k)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (128, 128)
+    hta.tiled_attention(torch.randn(1, 4, 1, 128, dtype=torch.bfloat16), k, k)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (64, 64)
+    monkeypatch.setenv(autotune.ENABLE_ENV, "0")   # the default table's short-query entry
+    hta.tiled_attention(torch.randn(1, 4, 1, 128, dtype=torch.bfloat16), k, k)
+    assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (64, 128)
+
+
+def test_throughput_timer_on_cpu_is_the_host_median():
+    calls = []
+    assert autotune.throughput_ms(lambda: calls.append(1), cuda=False, warmup=2, reps=3) >= 0
+    assert len(calls) == 5

@@ -50,8 +50,9 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
     pytest.param(torch.bfloat16, 128, dict(causal=False, window=None, softcap=None, mask=None,
                                            schedule=Schedule(tile_m=128, num_worker_warps=8)),
                  id="bf16-d128-plain-two-warpgroups"),
-    # head dims as a power of two plus a second tile (80 = 64 + 16, 96 = 64 + 32)
+    # head dims as a power of two plus a second tile (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32)
     pytest.param(torch.bfloat16, 80, {}, id="bf16-d80-split-all"),
+    pytest.param(torch.bfloat16, 160, {}, id="bf16-d160-split-all"),   # 128 + 32, 128x128 tiles
     pytest.param(torch.float16, 96, dict(causal=False, window=None, softcap=None, mask=None),
                  id="fp16-d96-split-plain"),
     pytest.param(torch.float32, 80, dict(mask=None), id="fp32-d80-split"),

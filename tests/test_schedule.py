@@ -48,3 +48,32 @@ def test_use_schedule_type_error():
     with pytest.raises(TypeError, match="use_schedule expects a Schedule"):
         with use_schedule({"tile_m": 64}):
             pass
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_short_calls_never_take_the_two_warpgroup_tile(head_dim):
+    long = default_schedule(9, torch.bfloat16, head_dim, False)
+    assert (long.tile_m, long.num_worker_warps) == (128, 8)
+    assert default_schedule(9, torch.bfloat16, head_dim, False, 4096, 4096) == long
+    one_warpgroup = default_schedule(9, torch.bfloat16, head_dim, True)
+    assert (one_warpgroup.tile_m, one_warpgroup.num_worker_warps) == (64, 4)
+    # few query rows (decode), or a short key loop
+    for seq_q, seq_kv in ((1, 16384), (64, 4096), (2048, 2048), (1024, 1024), (None, 100)):
+        short = resolve_schedule(None, 9, torch.bfloat16, head_dim, False, seq_q=seq_q,
+                                 seq_kv=seq_kv)
+        assert short == one_warpgroup, (seq_q, seq_kv)
+    assert resolve_schedule(None, 9, torch.bfloat16, head_dim, False, seq_q=65,
+                            seq_kv=2049) == long
+    # an explicit choice still wins
+    forced = resolve_schedule(Schedule(tile_m=128, num_worker_warps=8, occupancy=1), 9,
+                              torch.bfloat16, head_dim, False, seq_q=1, seq_kv=1024)
+    assert (forced.tile_m, forced.num_worker_warps, forced.occupancy) == (128, 8, 1)
+
+
+@pytest.mark.parametrize("head_dim", [144, 160, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims_past_128_take_two_warpgroups_on_128x128(head_dim, causal):
+    for seq_q in (None, 1, 1024, 4096):
+        schedule = resolve_schedule(None, 9, torch.bfloat16, head_dim, causal, seq_q=seq_q,
+                                    seq_kv=seq_q)
+        assert (schedule.tile_m, schedule.tile_n, schedule.num_worker_warps) == (128, 128, 8)
