@@ -165,10 +165,10 @@ for _causal in (False, True):
                                                        num_worker_warps=8)
 # Calls with little work per query tile take the one-warpgroup 64-row entry instead of the
 # two-warpgroup 128-row one: a query of at most SHORT_QUERY_ROWS rows fills at most half of a
-# 128-row tile (perf-notes step 15: non-causal decode at D=128, 16k keys, 0.471 -> 0.203 ms),
+# 128-row tile (perf-notes step 15: non-causal decode at D=128, 16k keys, 0.438 -> 0.203 ms),
 # and with at most SHORT_KEYS keys two 64-row CTAs per SM hide each other's prologue and
-# epilogue, which the short key loop exposes (step 17: non-causal D=128 at 1k/2k keys 8-10%
-# faster; from 4k the two-warpgroup tile wins, step 5).
+# epilogue, which the short key loop exposes (step 17: non-causal D=64/128 at 1k/2k keys 7-13%
+# faster in the autotuner's A/B; from 4k the two-warpgroup tile wins, step 5).
 SHORT_QUERY_ROWS = 64
 SHORT_KEYS = 2048
 
@@ -195,8 +195,7 @@ def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal:
     """The default table's entry for one call (``dtype`` is part of the key for future entries).
     ``seq_q`` and ``seq_kv``, when known, pick the one-warpgroup tile for short calls (at most
     :data:`SHORT_QUERY_ROWS` query rows or :data:`SHORT_KEYS` keys)."""
-    del dtype
-    return _table_entry(arch_major, head_dim, causal, _is_short(seq_q, seq_kv))
+    return _table_entry(arch_major, dtype, head_dim, causal, _is_short(seq_q, seq_kv))
 
 
 def _is_short(seq_q: Optional[int], seq_kv: Optional[int]) -> bool:
@@ -204,7 +203,9 @@ def _is_short(seq_q: Optional[int], seq_kv: Optional[int]) -> bool:
             or (seq_kv is not None and seq_kv <= SHORT_KEYS))
 
 
-def _table_entry(arch_major: int, head_dim: int, causal: bool, short: bool) -> Schedule:
+def _table_entry(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
+                 short: bool) -> Schedule:
+    del dtype
     lead, tail = head_dim_parts(head_dim, split=True)
     if tail and lead == 64:
         return _SPLIT_AFTER_64
@@ -241,15 +242,15 @@ def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch
                      seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
     """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
     it), then ``use_schedule``, then ``schedule=``. Memoised: it runs on every kernel call."""
-    return _layered(explicit, _override.get(), tuned, arch_major, head_dim, causal,
+    return _layered(explicit, _override.get(), tuned, arch_major, dtype, head_dim, causal,
                     _is_short(seq_q, seq_kv))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
-             tuned: Optional[Schedule], arch_major: int, head_dim: int, causal: bool,
-             short: bool) -> Schedule:
-    schedule = _table_entry(arch_major, head_dim, causal, short)
+             tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
+             causal: bool, short: bool) -> Schedule:
+    schedule = _table_entry(arch_major, dtype, head_dim, causal, short)
     for layer in (tuned, override, explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)
