@@ -61,7 +61,9 @@ def main(argv=None) -> int:
     v = torch.randn_like(k)
     device = q.device
     plan = plan_launch(q, k, None, causal=True, scale=scale, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, d, True),
+                       diag_offset=0,
+                       schedule=resolve_schedule(None, 9, q.dtype, d, True, seq_q=args.seq,
+                                                 seq_kv=args.seq),
                        return_lse=True,
                        sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
     arrays, _ = kernel_arguments(plan, q, k, v, None)

@@ -107,9 +107,7 @@ def throughput_ms(fn: Callable[[], object], *, cuda: bool, warmup: int, reps: in
     (perf-notes step 17)."""
     if not cuda:
         return median_ms(fn, cuda=False, warmup=warmup, reps=reps)
-    for _ in range(warmup):
-        fn()
-    return back_to_back_ms(fn, reps=reps, rounds=5)
+    return back_to_back_ms(fn, warmup=warmup, reps=reps, rounds=5)
 
 
 def tune(run: Callable[[Schedule], object], candidates: Sequence[Schedule], *, cuda: bool,

@@ -40,17 +40,18 @@ def median_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *, cuda: bool, wa
     return statistics.median(times)
 
 
-def back_to_back_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *, reps: int = 20,
-                    rounds: int = 5) -> float:
-    """Milliseconds per call with calls queued back to back (GPU only): the median over
-    ``rounds`` of the time of ``reps`` calls between two CUDA events, divided by ``reps``. The
-    GPU stays busy, so the host's launch work per call is hidden unless it is slower than the
-    kernel: this is the kernel's throughput, where :func:`median_ms` (one call from an idle GPU)
-    is one call's latency, host work included."""
-    if not arg_sets or reps < 1 or rounds < 1:
-        raise ValueError("back_to_back_ms needs at least one argument set, reps >= 1 and "
-                         "rounds >= 1")
-    fn(*arg_sets[0])
+def back_to_back_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *,
+                    warmup: int = 1, reps: int = 20, rounds: int = 5) -> float:
+    """Milliseconds per call with calls queued back to back (GPU only): after ``warmup`` calls,
+    the median over ``rounds`` of the time of ``reps`` calls between two CUDA events, divided
+    by ``reps``. The GPU stays busy, so the host's launch work per call is hidden unless it is
+    slower than the kernel: this is the kernel's throughput, where :func:`median_ms` (one call
+    from an idle GPU) is one call's latency, host work included."""
+    if not arg_sets or reps < 1 or rounds < 1 or warmup < 0:
+        raise ValueError("back_to_back_ms needs at least one argument set, reps >= 1, "
+                         "rounds >= 1 and warmup >= 0")
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
     torch.cuda.synchronize()
     per_call = []
     for _ in range(rounds):

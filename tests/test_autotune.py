@@ -125,3 +125,10 @@ def test_throughput_timer_on_cpu_is_the_host_median():
     calls = []
     assert autotune.throughput_ms(lambda: calls.append(1), cuda=False, warmup=2, reps=3) >= 0
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("options", [dict(warmup=-1), dict(reps=0), dict(rounds=0)])
+def test_back_to_back_timer_rejects_bad_counts(options):
+    from hf_tiled_attention.timing import back_to_back_ms
+    with pytest.raises(ValueError, match="back_to_back_ms needs"):
+        back_to_back_ms(lambda: None, **options)
