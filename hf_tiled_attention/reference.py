@@ -74,8 +74,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 m = mask_t[..., k0:k1]
                 if mask.per_row:
                     m = m[..., q0:q1, :]
-                if mask.kind == ADDITIVE:
-                    s = s + m.float()
+                if mask.kind == ADDITIVE:  # -inf hides the key, NaN score or not
+                    s = (s + m.float()).masked_fill(m == float("-inf"), -math.inf)
                 else:
                     s = s.masked_fill(m == 0, -math.inf)
             new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
@@ -85,9 +85,11 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, v)
             row_max = new_max
-        seen = row_sum > 0
-        safe_sum = torch.where(seen, row_sum, torch.ones_like(row_sum))
-        out_grouped[:, :, :, q0:q1] = torch.where(seen, acc / safe_sum, 0.0).to(query.dtype)
+        # Rows that saw no key: 0 and lse -inf. A NaN score or value (row_sum or acc NaN)
+        # reaches the output, as in eager attention.
+        empty = row_sum == 0
+        safe_sum = torch.where(empty, torch.ones_like(row_sum), row_sum)
+        out_grouped[:, :, :, q0:q1] = torch.where(empty, 0.0, acc / safe_sum).to(query.dtype)
         lse_grouped[:, :, :, q0:q1] = torch.where(
-            seen, row_max + torch.log(safe_sum), -math.inf).squeeze(-1)
+            empty, -math.inf, row_max + torch.log(safe_sum)).squeeze(-1)
     return out, lse

@@ -39,6 +39,9 @@ def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None
             visible = visible & attn_mask
         else:
             s = s + attn_mask.double()
+            visible = visible & (attn_mask != -math.inf)
+    # Hidden keys get -inf whatever their score (a NaN there does not leak, as in eager attention
+    # with a boolean mask); a visible NaN score or value makes the row NaN.
     s = s.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
@@ -158,3 +161,60 @@ SEMANTIC_CASES = [
     replace(_BASE, mask="additive_finfo_min"),
     replace(_BASE, mask="bool_keypad", strided=True, window=20, causal=True, softcap=4.0),
 ] + [replace(_BASE, head_dim=d, causal=True) for d in (16, 80, 96, 112, 128, 256)]
+
+
+@dataclass(frozen=True)
+class NanCase:
+    """A case with one NaN element in ``tensor`` ("query", "key" or "value") at ``index``
+    ``(b, h, s, d)``; ``spreads``: whether some output row must come out NaN."""
+    case: Case
+    tensor: str
+    index: tuple
+    spreads: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"nan-{self.tensor}{list(self.index)}-{self.case.name}"
+
+
+def make_nan_inputs(nan_case: NanCase, device, dtype, seed: int = 0):
+    q, k, v, mask = make_inputs(nan_case.case, device, dtype, seed=seed)
+    {"query": q, "key": k, "value": v}[nan_case.tensor][nan_case.index] = math.nan
+    return q, k, v, mask
+
+
+NAN_CASES = [
+    # rows from 70 on see the key: they are NaN, rows before it are not
+    NanCase(Case(causal=True, seq_q=200, seq_kv=200), "key", (0, 1, 70, 3)),
+    # a window of 32: only rows 100..131 see key 100
+    NanCase(Case(causal=True, window=32, seq_q=200, seq_kv=200), "key", (1, 0, 100, 0)),
+    # key 10 of batch row 1 is padding: nothing sees it
+    NanCase(Case(mask="bool_keypad", seq_q=100, seq_kv=100), "key", (1, 1, 10, 5), spreads=False),
+    # an additive mask's -inf hides the key from some rows; the others see it
+    NanCase(Case(mask="additive", seq_q=64, seq_kv=100), "key", (0, 1, 37, 2)),
+    NanCase(Case(causal=True), "query", (0, 2, 50, 1)),
+    NanCase(Case(causal=True), "value", (0, 0, 30, 7)),
+    # query row 10 sees no key (Sq > Skv): it stays exactly 0
+    NanCase(Case(causal=True, seq_q=150, seq_kv=70), "query", (0, 0, 10, 0), spreads=False),
+    # decode against a long cache (on the GPU its keys are split over blocks)
+    NanCase(Case(batch=1, heads_q=8, heads_kv=2, seq_q=1, seq_kv=4000, causal=True), "key",
+            (0, 1, 2500, 9)),
+]
+
+
+def check_nan_pattern(out, lse, want_out, want_lse, tolerance: float,
+                      spreads: bool) -> None:
+    """NaN exactly where the definition has NaN (rows that see a NaN score or value), the rest
+    as close as ``tolerance``, fully masked rows exactly 0 with LSE -inf."""
+    nan_rows = want_out.isnan().any(-1)
+    assert bool(nan_rows.any()) == spreads, "the case must (or must not) make some row NaN"
+    assert not bool(nan_rows.all()), "some rows must not see the NaN"
+    assert torch.equal(out.isnan().any(-1), nan_rows), "NaN rows differ from the definition"
+    assert torch.equal(lse.isnan(), want_lse.isnan())
+    assert torch.equal(out.isnan(), want_out.isnan())
+    fine = ~nan_rows
+    err = (out.double()[fine] - want_out[fine]).abs().max().item()
+    assert err <= tolerance, f"max abs err {err:.3g} > {tolerance} on the rows without NaN"
+    empty = want_lse.isinf() & fine
+    assert torch.equal(lse.isinf() & fine, empty)
+    assert (out.double()[empty] == 0).all(), "rows with no visible key must be exactly 0"

@@ -10,7 +10,8 @@ import torch
 
 import hf_tiled_attention as hta
 from hf_tiled_attention import Schedule
-from semantics import SEMANTIC_CASES, Case, definition, make_inputs, op_kwargs
+from semantics import (NAN_CASES, SEMANTIC_CASES, Case, check_nan_pattern, definition,
+                       make_inputs, make_nan_inputs, op_kwargs)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -137,3 +138,14 @@ def test_long_sequence_gqa_causal_window():
 def test_fresh_random_inputs_each_run():
     for seed in range(3):
         check_case(Case(causal=True, mask="bool", seq_q=129, seq_kv=129), torch.float16, seed=seed)
+
+
+@pytest.mark.parametrize("schedule", [None, Schedule(kv_splits=3)], ids=["default", "split3"])
+@pytest.mark.parametrize("nan_case", NAN_CASES, ids=lambda c: c.name)
+def test_nan_reaches_the_rows_that_see_it(nan_case, schedule):
+    q, k, v, mask = make_nan_inputs(nan_case, "cuda", torch.bfloat16)
+    out, lse = hta.tiled_attention(q, k, v, mask, return_lse=True, schedule=schedule,
+                                   **op_kwargs(nan_case.case))
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(nan_case.case))
+    check_nan_pattern(out, lse, want_out, want_lse, TOLERANCE[torch.bfloat16],
+                      nan_case.spreads)

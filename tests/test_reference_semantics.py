@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from semantics import SEMANTIC_CASES, definition, make_inputs, op_kwargs
+from semantics import (NAN_CASES, SEMANTIC_CASES, check_nan_pattern, definition, make_inputs,
+                       make_nan_inputs, op_kwargs)
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -32,6 +33,15 @@ def test_reference_matches_definition(case, dtype):
     assert torch.equal(lse.isinf(), empty)
     assert (out.double()[empty] == 0).all(), "rows with no visible key must be exactly 0"
     torch.testing.assert_close(lse[~empty].double(), want_lse[~empty], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nan_case", NAN_CASES, ids=lambda c: c.name)
+def test_nan_reaches_the_rows_that_see_it(nan_case, dtype):
+    q, k, v, mask = make_nan_inputs(nan_case, "cpu", dtype)
+    out, lse = hta.tiled_attention(q, k, v, mask, return_lse=True, **op_kwargs(nan_case.case))
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(nan_case.case))
+    check_nan_pattern(out, lse, want_out, want_lse, TOLERANCE[dtype], nan_case.spreads)
 
 
 def test_fully_masked_rows_give_zero_not_nan():
