@@ -130,6 +130,13 @@ class ResultsWriter:
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def progress(iterable, **kwargs):
+    """A tqdm progress bar on a terminal, none when output goes to a log (its carriage-return
+    frames would flood it; the scripts print a line per result row instead)."""
+    from tqdm.auto import tqdm
+    return tqdm(iterable, disable=None, **kwargs)
+
+
 def parse_heads(text: str) -> tuple[int, int]:
     """``"32/8"`` -> (Hq, Hkv)."""
     heads_q, heads_kv = (int(x) for x in text.split("/"))

@@ -199,11 +199,25 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
         flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
         if causal:
             flops /= 2
-    row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}")
+    row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
     if device == "cuda":
         gpu_ms = back_to_back_ms(fn, sets, reps=max(1, args.reps // 5))
-        row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.1f}")
+        row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}")
     return row
+
+
+def console_line(row: dict) -> str:
+    """One result row as the console shows it: times when measured, the reason when not."""
+    line = (f"{row['backend']:15s} {row['dtype']} b{row['batch']} h{row['heads_q']}/"
+            f"{row['heads_kv']} q{row['seq_q']} k{row['seq_kv']} d{row['head_dim']} "
+            f"causal={int(row['causal'])} w{row['window']} pad{row['left_pad']} "
+            f"{row['schedule']:>10s}  {row['status']:11s}")
+    if row["status"] != "ok":
+        return f"{line} {row['reason']}"
+    line += f" {row['ms']:>9s} ms {row['tflops']:>7s} TF/s"
+    if row["gpu_ms"]:
+        line += f" gpu {row['gpu_ms']:>9s} ms {row['gpu_tflops']:>7s} TF/s"
+    return f"{line} err {row['max_err']}"
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -213,6 +227,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
     ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == r["seq_kv"]
           and not r["window"] and not r["left_pad"]]
+    on_gpu = any(r["gpu_ms"] for r in ok)
     paths = []
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["heads_q"], r["heads_kv"])
                      for r in ok})
@@ -235,10 +250,16 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                     ax_speed.plot([p[0] for p in sp], [p[1] for p in sp], marker="o",
                                   label=f"tiled vs {backend}")
         title = f"{dtype} D={d} Hq/Hkv={hq}/{hkv} causal={causal}"
+        if not on_gpu:
+            title += " (CPU: not a speed measurement)"
         ax_tf.set(xscale="log", xlabel="sequence length", ylabel="TF/s", title=title)
         ax_speed.set(xscale="log", yscale="log", xlabel="sequence length",
                      ylabel="speedup of tiled (x)", title=title)
         ax_speed.axhline(1.0, color="gray", lw=0.8)
+        seqs = sorted({r["seq_q"] for r in sel})
+        for ax in (ax_tf, ax_speed):  # one labelled tick per measured length, no log clutter
+            ax.set_xticks(seqs, [str(s) for s in seqs])
+            ax.minorticks_off()
         ax_tf.legend(fontsize=7)
         ax_speed.legend(fontsize=7)
     fig.tight_layout()
@@ -325,11 +346,7 @@ def main(argv=None) -> int:
                 row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, window, pad,
                                 schedule, args)
                 results.add(row)
-                print(f"{backend:15s} {dtype} b{batch} h{hq}/{hkv} q{sq} k{skv} d{d} "
-                      f"causal={int(causal)} w{window} pad{pad} {row['schedule']:>10s}  "
-                      f"{row['status']:11s} {row['ms']:>9s} ms {row['tflops']:>7s} TF/s "
-                      f"gpu {row['gpu_ms']:>9s} ms {row['gpu_tflops']:>7s} TF/s "
-                      f"err {row['max_err']}", flush=True)
+                print(console_line(row), flush=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     csv_path = results.finish()

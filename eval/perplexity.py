@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -90,7 +90,7 @@ def load_models(args, dtype: torch.dtype, device: str):
 
 
 @torch.inference_mode()
-def evaluate(models: dict, ids: torch.Tensor, window: int, device: str, progress) -> dict:
+def evaluate(models: dict, ids: torch.Tensor, window: int, device: str) -> dict:
     """Summed NLL per backend over non-overlapping windows, and max |logits - sdpa logits|."""
     nll = {b: 0.0 for b in models}
     max_diff = {b: 0.0 for b in models}
@@ -126,7 +126,6 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
                     print(f"perplexity: {text_name} has {ids.numel()} tokens, too few for "
                           f"window {window}; skipped")
                     continue
-                result = evaluate(models, ids, window, device, tqdm)
+                result = evaluate(models, ids, window, device)
                 if dtype_name == "fp32" and "eager" in result:
                     eager_fp32[window] = result["eager"]["ppl"]
                 sdpa_ppl = result.get("sdpa", {}).get("ppl")

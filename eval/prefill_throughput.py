@@ -101,20 +101,30 @@ def plot(rows: list[dict], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     groups = sorted({(r["model"], r["batch"], r["pad_fraction"]) for r in rows})
-    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.2 * len(groups)), squeeze=False)
-    for (model, batch, pad), (ax_tps, ax_mem) in zip(groups, axes):
+    # Peak GPU memory exists only on a GPU (left empty on the CPU): no empty panel there.
+    with_memory = any(r["status"] == "ok" and r["peak_gib"] for r in rows)
+    columns = 2 if with_memory else 1
+    fig, axes = plt.subplots(len(groups), columns, figsize=(5.5 * columns, 3.2 * len(groups)),
+                             squeeze=False)
+    for (model, batch, pad), panels in zip(groups, axes):
         for backend in BACKENDS:
-            pts = sorted((r["seq"], float(r["tokens_per_s"]), float(r["peak_gib"])) for r in rows
+            pts = sorted((r["seq"], float(r["tokens_per_s"]), float(r["peak_gib"] or "nan"))
+                         for r in rows
                          if (r["model"], r["batch"], r["pad_fraction"], r["backend"]) ==
                          (model, batch, pad, backend) and r["status"] == "ok")
-            if pts:
-                ax_tps.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
-                ax_mem.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=backend)
+            for ax, column in zip(panels, (1, 2)):
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[column] for p in pts], marker="o",
+                            label=backend)
         title = f"{model} batch={batch} pad={pad}"
-        ax_tps.set(xscale="log", xlabel="sequence length", ylabel="tokens/s", title=title)
-        ax_mem.set(xscale="log", xlabel="sequence length", ylabel="peak GiB", title=title)
-        ax_tps.legend(fontsize=7)
-        ax_mem.legend(fontsize=7)
+        if not with_memory:
+            title += " (CPU: not a speed measurement)"
+        seqs = sorted({r["seq"] for r in rows if r["model"] == model})
+        for ax, ylabel in zip(panels, ("tokens/s", "peak GiB")):
+            ax.set(xscale="log", xlabel="sequence length", ylabel=ylabel, title=title)
+            ax.set_xticks(seqs, [str(s) for s in seqs])
+            ax.minorticks_off()
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "prefill.png", dpi=80)
 
@@ -162,7 +172,7 @@ def main(argv=None) -> int:
                                    ms="", peak_gib="", status="ok", reason="")
                         try:
                             ms, peak = measure(model, ids, mask, args.warmup, args.reps)
-                            row.update(ms=f"{ms:.3f}", peak_gib=f"{peak:.2f}",
+                            row.update(ms=f"{ms:.3f}", peak_gib=f"{peak:.2f}" if on_gpu else "",
                                        tokens_per_s=f"{batch * seq / ms * 1e3:.0f}")
                         except torch.cuda.OutOfMemoryError as exc:
                             row.update(status="oom", reason=str(exc).splitlines()[0][:120])

