@@ -2,13 +2,15 @@
 
 For each path it prints the CUDA-event median of one call (what kernel_bench reports: it
 includes the host's launch latency when the GPU is idle), the host time per call (200 calls
-queued without synchronising) and the time per call back to back (GPU-bound), then the cost of
-the launcher's pieces: a bare ``ct.launch``, the device context and one tiny allocation.
+queued without synchronising) and the time per call back to back (GPU-bound unless the host is
+slower), then the cost of the launcher's pieces. The transformers rows call each backend's
+attention function as a model layer does (decode: one query against the cache).
 
     python eval/host_overhead.py                      # B=16, 32/8 heads, S=1024, D=128, causal
-    python eval/host_overhead.py --batch 1 --seq 512
+    python eval/host_overhead.py --batch 1 --seq-q 1 --seq 16384      # decode
 
-Results of earlier runs: eval/results/nvidia-h200/schedule-sweep-2/host-overhead-*.txt.
+Results of earlier runs: eval/results/nvidia-h200/schedule-sweep-2/host-overhead-*.txt and
+eval/results/nvidia-h200/decode/host-overhead-*.txt.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
-from hf_tiled_attention.launch import (kernel_arguments, plan_kernel, plan_launch,  # noqa: E402
+from hf_tiled_attention.launch import (launch_arrays, plan_kernel, plan_launch,  # noqa: E402
                                        run_kernel)
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
@@ -47,35 +49,56 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--heads", default="32/8", help="Hq/Hkv")
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=1024, help="keys")
+    parser.add_argument("--seq-q", type=int, default=0, help="queries (0: as many as keys)")
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work)")
     import cuda.tile as ct
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_tiled_attention.transformers_backend import tiled_attention_forward
 
     hq, hkv = parse_heads(args.heads)
     d, scale = args.head_dim, args.head_dim ** -0.5
-    q = torch.randn(args.batch, hq, args.seq, d, device="cuda", dtype=torch.bfloat16)
+    seq_q = args.seq_q or args.seq
+    # The query as a model layer hands it over: a (B, S, H, D) projection viewed as (B, H, S, D).
+    q = torch.randn(args.batch, seq_q, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(args.batch, hkv, args.seq, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     device = q.device
     plan = plan_launch(q, k, None, causal=True, scale=scale, window=None, softcap=None,
-                       diag_offset=0,
-                       schedule=resolve_schedule(None, 9, q.dtype, d, True, seq_q=args.seq,
+                       diag_offset=args.seq - seq_q,
+                       schedule=resolve_schedule(None, 9, q.dtype, d, True, seq_q=seq_q,
                                                  seq_kv=args.seq),
-                       return_lse=True,
+                       return_lse=False,
                        sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
-    arrays, _ = kernel_arguments(plan, q, k, v, None)
+    arrays = launch_arrays(plan, q, k, v, None)
     kernel, stream = plan_kernel(plan), torch.cuda.current_stream()
+    print(f"plan: grid {plan.grid}, kv_splits {plan.kv_splits}, rows per tile "
+          f"{plan.variant.tile_m} (query heads packed: {plan.variant.g_tile})")
+
+    class Layer(torch.nn.Module):  # what the attention functions read off a model's layer
+        is_causal = True
+        config = None
+
+    layer = Layer().eval()
+    causal_sdpa = seq_q > 1  # SDPA's is_causal is top-left aligned; one query sees every key
     paths = {
         "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
         "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
-            q, k, v, None, 0, True, scale, 0, 0.0, 0, hta.Schedule().as_list()),
+            q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list()),
         "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
         "bare ct.launch": lambda: ct.launch(stream, plan.grid, kernel,
-                                            arrays + plan.scalars + plan.variant.constants),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                            arrays.attention + plan.scalars
+                                            + plan.variant.constants),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal_sdpa,
+                                                       enable_gqa=True),
+        "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
+                                                              scaling=scale),
+        "transformers sdpa": lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
+                                                            is_causal=causal_sdpa),
     }
     for name, fn in paths.items():
         for _ in range(20):  # compile and warm up

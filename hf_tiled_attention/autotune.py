@@ -45,6 +45,12 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "") not in ("", "0")
 
 
+def state() -> Optional[str]:
+    """None when tuning is off, else the cache folder setting: what the tuned schedules a call
+    gets depend on (callers that memoise plans key them with it)."""
+    return os.environ.get(CACHE_DIR_ENV, "") if enabled() else None
+
+
 @dataclass(frozen=True)
 class TuneKey:
     arch_major: int

@@ -1,9 +1,15 @@
 """The cuTile attention forward kernel.
 
-One block (grid: query tiles x query heads x batch) computes one output tile: it streams the key/value
+One block (grid: query tiles x heads x batch) computes one output tile: it streams the key/value
 tiles that the query tile can see and keeps an online softmax (running max ``m``, running sum
 ``l`` and the unnormalised output ``acc``) in fp32. With ``PERSISTENT`` a smaller 1-D grid's
 blocks loop over the same tiles in the same order.
+
+A tile's rows are either consecutive query positions of one query head (``G_TILE`` 1: Q, Out and
+Lse are ``(B, Hq, Sq, ...)``), or, for short queries (decode), the query heads that share one
+key/value head at a few positions (``G_TILE`` > 1: Q and Out are ``(B, Hkv, Sq, group, D)``
+views, a tile holds ``TILE_M // G_TILE`` positions x ``G_TILE`` heads), so each K/V tile is read
+once per group and the tile stays big enough for the warpgroup MMA.
 
 Visibility of key ``j`` for query row ``i`` (``pos = i + diag_offset``, keys and positions in key
 coordinates):
@@ -15,15 +21,20 @@ coordinates):
   gets ``+ mask[i, j]`` and ``-inf`` hides the key.
 
 Only key tiles inside the causal/window range are visited (split over ``kv_splits`` blocks
-when there are too few query tiles to fill the GPU, e.g. decode); inside it, tiles that need no
-per-element mask skip the masking work, and with a dense mask a per-tile state table (0: nothing
-visible, 1: partial, 2: all visible with zero bias) skips empty tiles and avoids loading the mask
-for full ones. Every tuning knob comes in as a constant from :class:`hf_tiled_attention.Schedule`.
+when there are too few query tiles to fill the GPU, e.g. decode; merge.py combines the slices);
+inside it, tiles that need no per-element mask skip the masking work, and with a mask's per-tile
+state table (``MASK_TABLE``; 0: nothing visible, 1: partial, 2: all visible with zero bias; see
+masks.py) empty tiles are skipped and full ones are not masked. Without the table (a key vector
+``(B or 1, 1, 1, Skv)`` in a traced call, where building it per call would cost more than it
+saves) the mask is applied on every visited tile. Every tuning knob comes in as a constant from
+:class:`hf_tiled_attention.Schedule`.
 """
 
 import math
 
 import cuda.tile as ct
+
+from .tile_rows import load_rows, store_lse, store_rows
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -47,8 +58,8 @@ def attention_forward(
     window: int,
     kv_splits: int,          # >1: block (m, split) covers one slice of the key tiles and writes
                              # fp32 partial output + LSE at batch index split * B + b
-    GROUP: ConstInt,         # query heads per key/value head
-    PACKED_ROWS: ConstBool,  # decode: Q's rows are one kv head's query heads at one position
+    GROUP: ConstInt,         # query heads per key/value head (1 when G_TILE > 1: Q is per kv head)
+    G_TILE: ConstInt,        # 1, or decode: a kv head's query heads as rows, padded to a power of 2
     TILE_M: ConstInt,
     TILE_N: ConstInt,
     TILE_D: ConstInt,        # head dim rounded up to a power of two (loads pad with zeros),
@@ -62,6 +73,8 @@ def attention_forward(
     MASK_BATCHED: ConstBool,  # mask has a batch dim of size B (else 1)
     MASK_HEADED: ConstBool,   # mask has a head dim of size Hq (else 1)
     MASK_ROWS: ConstBool,     # mask has one row per query (else one row for all queries)
+    MASK_TABLE: ConstBool,    # TileState holds each tile's state (else: apply the mask on every
+                              # visited tile; only for a key vector)
     SCORE_UNIT: ConstFloat,   # LOG2E: scores kept in log2 units; 1.0: natural units
     FOLD_SCALE: ConstBool,    # score_scale > 0 applied inside the exponent (no softcap/bias)
     WRITE_LSE: ConstBool,
@@ -71,12 +84,12 @@ def attention_forward(
     PERSISTENT: ConstBool,    # a fixed grid (about one wave) whose blocks loop over the tiles
 ):
     tile_args = (Q, K, V, Out, Lse, Mask, TileState, score_scale, softcap_out, diag_offset,
-                 window, kv_splits, GROUP, PACKED_ROWS, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL,
-                 WINDOWED, SOFTCAP, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, SCORE_UNIT,
-                 FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
+                 window, kv_splits, GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL,
+                 WINDOWED, SOFTCAP, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE,
+                 SCORE_UNIT, FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
     if PERSISTENT:
         # Work items in the order a full grid (m_blocks, heads, batch) would launch them.
-        m_blocks = ct.cdiv(Q.shape[2], TILE_M) * kv_splits
+        m_blocks = ct.cdiv(Q.shape[2], TILE_M // G_TILE) * kv_splits
         heads = Q.shape[1]
         batches = Q.shape[0]
         for item in range(ct.bid(0), m_blocks * heads * batches, ct.num_blocks(0)):
@@ -88,26 +101,27 @@ def attention_forward(
 
 
 def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask, TileState,
-                score_scale, softcap_out, diag_offset, window, kv_splits, GROUP, PACKED_ROWS,
+                score_scale, softcap_out, diag_offset, window, kv_splits, GROUP, G_TILE,
                 TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND,
-                MASK_BATCHED, MASK_HEADED, MASK_ROWS, SCORE_UNIT, FOLD_SCALE, WRITE_LSE,
-                HEAVY_FIRST, K_LATENCY, V_LATENCY):
+                MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE, SCORE_UNIT, FOLD_SCALE,
+                WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY):
     """One output tile: query block ``block_m`` (a query tile and, with kv_splits > 1, one slice
-    of its keys) of one head and batch row."""
+    of its keys) of one head (a kv head when G_TILE > 1) and batch row."""
     num_m_tiles = m_blocks // kv_splits
     m_tile = block_m // kv_splits
     split = block_m % kv_splits
     if HEAVY_FIRST:
         m_tile = num_m_tiles - 1 - m_tile
     kv_head = head // GROUP
+    ROWS = TILE_M // G_TILE  # query positions per tile
 
     seq_q = Q.shape[2]
     seq_kv = K.shape[2]
-    row_lo = m_tile * TILE_M
-    row_hi = min(row_lo + TILE_M, seq_q) - 1
-    # Key positions of the tile's first and last rows (packed rows all sit at diag_offset).
-    pos_lo = diag_offset if PACKED_ROWS else row_lo + diag_offset
-    pos_hi = diag_offset if PACKED_ROWS else row_hi + diag_offset
+    row_lo = m_tile * ROWS
+    row_hi = min(row_lo + ROWS, seq_q) - 1
+    # Key positions of the tile's first and last query rows.
+    pos_lo = row_lo + diag_offset
+    pos_hi = row_hi + diag_offset
 
     # Keys that some row of this tile may see: [lo_any, hi_any); that every row sees: [lo_all, hi_all).
     lo_any = 0
@@ -130,10 +144,10 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     first_tile = min(first_tile + split * per_split, end_tile)
     end_tile = min(first_tile + per_split, end_tile)
 
-    if PACKED_ROWS:
-        row_pos = ct.full((TILE_M, 1), diag_offset, dtype=ct.int32)
-    else:
-        row_pos = (row_lo + diag_offset + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
+    if G_TILE > 1:  # rows are (position, head) pairs, heads fastest
+        row_in_tile = row_in_tile // G_TILE
+    row_pos = (row_lo + diag_offset + row_in_tile)[:, None]
     col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
 
     mask_b = batch if MASK_BATCHED else 0
@@ -145,16 +159,13 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
 
-    q = ct.load(Q, index=(batch, head, m_tile, 0), shape=(1, 1, TILE_M, TILE_D),
-                padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TILE_D))
+    q = load_rows(Q, batch, head, m_tile, 0, ROWS, G_TILE, TILE_D)
     # The head dim's second part (TAIL_D > 0): its own query tile and accumulator. Without one
     # these stand-ins are never read and the compiler drops them.
     q_tail = q
     acc_tail = acc
     if TAIL_D != 0:
-        q_tail = ct.load(Q, index=(batch, head, m_tile, TILE_D // TAIL_D),
-                         shape=(1, 1, TILE_M, TAIL_D),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TAIL_D))
+        q_tail = load_rows(Q, batch, head, m_tile, TILE_D // TAIL_D, ROWS, G_TILE, TAIL_D)
         acc_tail = ct.full((TILE_M, TAIL_D), 0.0, dtype=ct.float32)
 
     # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range: they skip
@@ -163,8 +174,8 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
     tile_args = (q, q_tail, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
                  col_in_tile, seq_kv, window, score_scale, softcap_out)
-    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M, SCORE_UNIT, FOLD_SCALE,
-                   TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY)
+    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TABLE, MASK_TILE_M,
+                   SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY)
     for j in range(first_tile, full_lo):
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
                                                *tile_consts)
@@ -175,30 +186,34 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
                                                *tile_consts)
 
-    # Rows that saw no key: output 0 and lse -inf.
-    seen = l_i > 0.0
-    inv_l = 1.0 / ct.where(seen, l_i, 1.0)   # one division per row, not per output element
-    out = ct.where(seen, acc * inv_l, 0.0)
+    # Rows that saw no key (l exactly 0): output 0 and lse -inf. A NaN score or value makes l or
+    # acc NaN, and that NaN must reach the output, as in eager attention.
+    empty = l_i == 0.0
+    inv_l = 1.0 / ct.where(empty, 1.0, l_i)   # one division per row, not per output element
     out_batch = batch + split * batches
-    ct.store(Out, index=(out_batch, head, m_tile, 0),
-             tile=out.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype))
+    store_rows(Out, out_batch, head, m_tile, 0, ct.where(empty, 0.0, acc * inv_l), ROWS, G_TILE,
+               TILE_D)
     if TAIL_D != 0:
-        out_tail = ct.where(seen, acc_tail * inv_l, 0.0)
-        ct.store(Out, index=(out_batch, head, m_tile, TILE_D // TAIL_D),
-                 tile=out_tail.reshape((1, 1, TILE_M, TAIL_D)).astype(Out.dtype))
+        store_rows(Out, out_batch, head, m_tile, TILE_D // TAIL_D,
+                   ct.where(empty, 0.0, acc_tail * inv_l), ROWS, G_TILE, TAIL_D)
     if WRITE_LSE:
-        lse = ct.where(seen, m_i / SCORE_UNIT + ct.log(ct.where(seen, l_i, 1.0)), -math.inf)
-        ct.store(Lse, index=(out_batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)))
+        lse = ct.where(empty, -math.inf, m_i / SCORE_UNIT + ct.log(ct.where(empty, 1.0, l_i)))
+        store_lse(Lse, out_batch, head, m_tile, lse, ROWS, G_TILE)
 
 
 def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, batch, kv_head,
                  mask_b, mask_h, mask_m, row_pos, col_in_tile, seq_kv, window, score_scale,
-                 softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TILE_M,
-                 SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY):
+                 softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TABLE,
+                 MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
+                 V_LATENCY):
     """One online-softmax step over key tile ``j``; returns the updated (m, l, acc, acc_tail)."""
     state = TILE_FULL
     if MASK_KIND != 0:
-        state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j), shape=(1, 1, 1, 1)).item()
+        if MASK_TABLE:
+            state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
+                            shape=(1, 1, 1, 1)).item()
+        else:
+            state = TILE_PARTIAL
     if state != TILE_EMPTY:
         k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                     order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
@@ -236,7 +251,9 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, b
             if MASK_KIND == 1:
                 s = ct.where(mask != 0, s, -math.inf)
             else:
-                s = s + mask.astype(ct.float32)
+                # -inf hides the key outright, so a NaN score there does not leak (NaN + -inf).
+                bias = mask.astype(ct.float32)
+                s = ct.where(bias == -math.inf, -math.inf, s + bias)
 
         row_max = ct.max(s, axis=-1, keepdims=True)
         if FOLD_SCALE:

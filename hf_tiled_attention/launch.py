@@ -1,10 +1,10 @@
-"""Host side of the cuTile kernel: from a validated call to a launch.
+"""Host side of the cuTile kernels: from a validated call to a launch.
 
-:func:`plan_launch` turns a call into a :class:`LaunchPlan`: the grid and runtime scalars, plus
-a cached :class:`KernelVariant` (the compile-time constants and compiler hints).
-:func:`kernel_arguments` builds the arrays a launch passes, and :func:`run_kernel` launches.
-Planning reads only shapes and dtypes, so the CPU tests run it on meta tensors to compile every
-variant the op can dispatch, without a GPU.
+:func:`plan_launch` turns a call into a :class:`LaunchPlan`: the grid, the key splits and a
+cached :class:`KernelVariant` (the compile-time constants and compiler hints). It reads only
+shapes and dtypes, so the CPU tests plan on meta tensors and compile every variant the op can
+dispatch without a GPU. :func:`launch_arrays` builds the arrays a launch passes and
+:func:`run_kernel` launches the attention kernel, then, when the keys were split, the merge.
 """
 
 from __future__ import annotations
@@ -12,14 +12,56 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .masks import ADDITIVE, CompactMask
-from .schedule import Schedule, head_dim_parts
+from .schedule import DECODE_QUERY_ROWS, Schedule, head_dim_parts
 
 LOG2E = 1.0 / math.log(2.0)
+# A packed tile has at least the warpgroup MMA's 64 rows (fewer real rows are zero padding: decode
+# is bound by reading K/V, not by the MMA) and at most two warpgroups' 128.
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 64, 128
+# Key splits (Schedule.kv_splits = 0): each split streams at least this many key tiles.
+MIN_TILES_PER_SPLIT = 2
+# The merge holds at most this many fp32 output values per block at a time.
+MERGE_TILE_ELEMENTS = 8192
+
+
+class KernelConstants(NamedTuple):
+    """The attention kernel's Constant parameters, by name, in the kernel's order (a CPU test
+    checks the names against kernel.attention_forward)."""
+    GROUP: int
+    G_TILE: int
+    TILE_M: int
+    TILE_N: int
+    TILE_D: int
+    TAIL_D: int
+    CAUSAL: bool
+    WINDOWED: bool
+    SOFTCAP: bool
+    MASK_KIND: int
+    MASK_BATCHED: bool
+    MASK_HEADED: bool
+    MASK_ROWS: bool
+    MASK_TABLE: bool
+    SCORE_UNIT: float
+    FOLD_SCALE: bool
+    WRITE_LSE: bool
+    HEAVY_FIRST: bool
+    K_LATENCY: int
+    V_LATENCY: int
+    PERSISTENT: bool
+
+
+class MergeConstants(NamedTuple):
+    """merge.merge_splits's Constant parameters, in its order."""
+    G_TILE: int
+    ROWS: int
+    CHUNK_D: int
+    D_CHUNKS: int
+    WRITE_LSE: bool
 
 
 @dataclass(frozen=True)
@@ -27,18 +69,26 @@ class KernelVariant:
     """Everything about a launch that does not depend on sequence lengths or batch size: the
     kernel's Constant parameters, compiler hints and the score scalars. Cached, so a call whose
     shape repeats (every layer, every decode step) skips the planning work."""
-    constants: tuple                          # the kernel's Constant parameters, in order
+    constants: KernelConstants
     occupancy: int
     num_ctas: int
     num_worker_warps: Optional[int]            # None: the compiler chooses
     dtype: torch.dtype
     mask_dtype: Optional[torch.dtype]          # as the kernel reads it: bool masks as uint8
-    tile_m: int
-    tile_n: int
-    write_lse: bool
-    packed_rows: bool                          # decode: a kv head's query heads are the rows
     score_scale: float
     softcap_out: float
+
+    @property
+    def g_tile(self) -> int:
+        return self.constants.G_TILE
+
+    @property
+    def tile_m(self) -> int:
+        return self.constants.TILE_M
+
+    @property
+    def tile_n(self) -> int:
+        return self.constants.TILE_N
 
 
 @dataclass(frozen=True)
@@ -48,10 +98,14 @@ class LaunchPlan:
     diag_offset: int
     window: int
     kv_splits: int
+    return_lse: bool
+    merge: Optional[MergeConstants]            # set when kv_splits > 1
+    merge_grid: tuple[int, int, int]
+    views: "BufferViews"
 
     @property
     def scalars(self) -> tuple[float, float, int, int, int]:
-        """The kernel's runtime scalar parameters, in order."""
+        """The attention kernel's runtime scalar parameters, in order."""
         return (self.variant.score_scale, self.variant.softcap_out, self.diag_offset,
                 self.window, self.kv_splits)
 
@@ -59,83 +113,114 @@ class LaunchPlan:
 def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask], *,
                 causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
                 diag_offset: int, schedule: Schedule, return_lse: bool,
-                sm_count: int = 0) -> LaunchPlan:
+                sm_count: int = 0, key_mask_table: bool = True) -> LaunchPlan:
     """``sm_count`` (the GPU's SM count; 0 = unknown) lets a call with too few query tiles to
-    fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0)."""
+    fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0).
+    ``key_mask_table``: a key-vector mask gets a per-tile state table, so empty key tiles are
+    skipped (a mask with rows or heads always does); traced calls (CUDA graphs) pass False:
+    there the table would be rebuilt by every layer of every step."""
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
-    # Decode with GQA (Schedule.pack_gqa): the group's query heads become the rows of one
-    # tile, so K/V are read once per kv head (needs a mask without a head dim; one query
-    # means one position for every row).
-    packed = (schedule.pack_gqa and seq_q == 1 and group > 1
-              and (mask is None or not mask.headed))
-    rows = group if packed else seq_q
-    tile_m = _row_tile(rows, schedule.tile_m) if packed else schedule.tile_m
-    m_tiles = math.ceil(rows / tile_m)
-    heads_grid = heads_kv if packed else heads_q
+    g_tile = packed_group_tile(schedule, seq_q, group, mask)
+    if g_tile > 1:
+        tile_m = min(max(PACKED_MIN_ROWS, g_tile * _next_power_of_two(seq_q)), PACKED_MAX_ROWS)
+    else:
+        tile_m = schedule.tile_m
+    rows = tile_m // g_tile
+    m_tiles = math.ceil(seq_q / rows)
+    heads_grid = heads_kv if g_tile > 1 else heads_q
     visible = seq_kv if window is None else min(seq_kv, (1 if causal else 2) * window + rows)
     splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
                         math.ceil(visible / schedule.tile_n), sm_count)
     mask_layout = None if mask is None else (
-        mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row)
-    # Split blocks always write their LSE: the partial results are merged with it.
+        mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row,
+        bool(mask.headed or mask.per_row or key_mask_table))
+    # Split blocks always write their LSE: the merge weighs the slices with it.
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
                              float(scale), window is not None, softcap, schedule,
-                             bool(return_lse or splits > 1), packed, tile_m)
+                             bool(return_lse or splits > 1), g_tile, tile_m)
     grid = (m_tiles * splits, heads_grid, batch)
     if schedule.persistent:  # about one wave of blocks; each loops over the tiles
         blocks = math.prod(grid)
         grid = (min(blocks, sm_count * schedule.occupancy) if sm_count else blocks, 1, 1)
+    merge = merge_constants(g_tile, rows, head_dim, bool(return_lse)) if splits > 1 else None
     return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
-                      window=int(window or 0), kv_splits=splits)
+                      window=int(window or 0), kv_splits=splits, return_lse=bool(return_lse),
+                      merge=merge, merge_grid=(m_tiles, heads_grid, batch),
+                      views=buffer_views(batch, heads_q, heads_kv, seq_q, head_dim, g_tile,
+                                         splits))
 
 
-def _row_tile(rows: int, tile_m: int) -> int:
-    """Packed decode rows (a GQA group): the smallest power-of-two tile that holds them."""
-    return min(tile_m, max(16, 1 << (rows - 1).bit_length()))
+def packed_group_tile(schedule: Schedule, seq_q: int, group: int,
+                      mask: Optional[CompactMask]) -> int:
+    """1, or for a short query with GQA/MQA (``Schedule.pack_gqa``) the group size rounded up to
+    a power of two: the tile's rows are then the group's query heads at a few positions, and
+    each K/V tile is read once per group. A mask with a head or a row dim keeps one head per
+    tile."""
+    if (not schedule.pack_gqa or seq_q > DECODE_QUERY_ROWS or group == 1
+            or (mask is not None and (mask.headed or mask.per_row))):
+        return 1
+    g_tile = _next_power_of_two(group)
+    return g_tile if g_tile <= PACKED_MAX_ROWS else 1
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int) -> int:
     if schedule.kv_splits:
         return schedule.kv_splits
+    slots = sm_count * schedule.occupancy
     if not sm_count or blocks >= sm_count:
         return 1
-    # About two waves of blocks, each with at least four key tiles to stream.
-    return max(1, min(2 * sm_count // blocks, key_tiles // 4))
+    # One full wave of blocks, each streaming at least MIN_TILES_PER_SPLIT key tiles.
+    return max(1, min(math.ceil(slots / blocks), key_tiles // MIN_TILES_PER_SPLIT))
 
 
 @functools.lru_cache(maxsize=4096)
 def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: Optional[tuple],
                    causal: bool, scale: float, windowed: bool, softcap: Optional[float],
-                   schedule: Schedule, return_lse: bool, packed: bool,
+                   schedule: Schedule, write_lse: bool, g_tile: int,
                    tile_m: int) -> KernelVariant:
     """The variant for one combination of (hashable) call properties; memoised."""
-    mask_kind, mask_dtype, batched, headed, per_row = mask_layout or (0, None, False, False, False)
+    mask_kind, mask_dtype, batched, headed, per_row, table = mask_layout or (
+        0, None, False, False, False, False)
     # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
     score_unit = 1.0 if mask_kind == ADDITIVE else LOG2E
     if softcap is not None:
         score_scale, softcap_out = scale / softcap, softcap * score_unit
     else:
         score_scale, softcap_out = scale * score_unit, 0.0
-    num_worker_warps = schedule.num_worker_warps
-    if tile_m < schedule.tile_m:  # shrunk for few rows: one warpgroup is plenty
-        num_worker_warps = min(num_worker_warps or 4, 4)
-    constants = (
-        1 if packed else group, packed, tile_m, schedule.tile_n,
-        *head_dim_parts(head_dim, schedule.split_head_dim),
-        causal, windowed, softcap is not None, mask_kind, batched, headed, per_row,
-        score_unit,
+    num_worker_warps, occupancy = schedule.num_worker_warps, schedule.occupancy
+    if g_tile > 1 and tile_m > PACKED_MIN_ROWS:  # two warpgroups share the registers of an SM
+        num_worker_warps, occupancy = 8, 1
+    elif g_tile > 1:
+        num_worker_warps = 4
+    tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
+    constants = KernelConstants(
+        GROUP=1 if g_tile > 1 else group, G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
+        TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
+        SOFTCAP=softcap is not None, MASK_KIND=mask_kind, MASK_BATCHED=batched,
+        MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
-        softcap is None and score_unit == LOG2E and score_scale > 0,
-        return_lse, bool(causal and schedule.heavy_first),
-        schedule.k_latency, schedule.v_latency, schedule.persistent,
-    )
+        FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
+        WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
+        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency,
+        PERSISTENT=schedule.persistent)
     return KernelVariant(
-        constants=constants, occupancy=schedule.occupancy, num_ctas=schedule.num_ctas,
+        constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,
-        tile_m=tile_m, tile_n=schedule.tile_n, write_lse=return_lse, packed_rows=packed,
         score_scale=float(score_scale), softcap_out=float(softcap_out))
+
+
+@functools.lru_cache(maxsize=256)
+def merge_constants(g_tile: int, rows: int, head_dim: int, write_lse: bool) -> MergeConstants:
+    width = max(16, _next_power_of_two(head_dim))
+    chunk = min(width, MERGE_TILE_ELEMENTS // (rows * g_tile))
+    return MergeConstants(G_TILE=g_tile, ROWS=rows, CHUNK_D=chunk, D_CHUNKS=width // chunk,
+                          WRITE_LSE=write_lse)
 
 
 def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
@@ -157,12 +242,19 @@ def plan_kernel(plan: LaunchPlan):
     return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps)
 
 
-def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def merge_kernel():
+    from .merge import merge_splits
+    return merge_splits
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int,
+                 capturing: bool) -> torch.Tensor:
     """A tiny array for kernel parameters a variant never reads (no mask, no LSE): never read,
     so left uninitialised. Reused across calls (allocations are a large part of a short call's
     host time), except while a CUDA graph is being captured: one first made then would live in
     the graph's private memory pool."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing:
         return torch.empty((1,) * ndim, dtype=dtype, device=device)
     return _reused_placeholder(device, dtype, ndim)
 
@@ -172,123 +264,184 @@ def _reused_placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> 
     return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
-def kernel_arguments(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, mask: Optional[CompactMask]):
-    """The arrays one launch passes (Q, K, V, Out, Lse, Mask, TileState) and a ``finish()``
-    that returns ``(out, lse)`` once the kernel has run (``lse`` is None for a variant that
-    writes none). Works on meta tensors too, which is how
-    :func:`export_signature` sees exactly the arrays a real launch passes."""
-    variant = plan.variant
-    device = query.device
-    batch, heads_q, seq_q, head_dim = query.shape
-    out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    lse = (torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
-           if variant.write_lse else None)
-    q_rows, out_rows, lse_rows = query, out, lse
-    if variant.packed_rows:  # (B, Hq, 1, D) seen as (B, Hkv, group, D): views, no copies
-        heads_kv = key.shape[1]
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
+class BufferViews(NamedTuple):
+    """How a launch views its own buffers, worked out once per plan (per-call host time):
+    ``(shape, strides)`` of the packed ``(B, Hkv, Sq, group, ...)`` views of the output and the
+    LSE (None unless packed), and of the key splits' LSEs and outputs in one fp32 workspace of
+    ``workspace`` elements (outputs from ``part_offset``; None unless split)."""
+    out_rows: Optional[tuple]
+    lse_rows: Optional[tuple]
+    part_lse: Optional[tuple]
+    part_out: Optional[tuple]
+    part_offset: int
+    workspace: int
+
+
+@functools.lru_cache(maxsize=1024)
+def buffer_views(batch: int, heads_q: int, heads_kv: int, seq_q: int, head_dim: int,
+                 g_tile: int, splits: int) -> BufferViews:
+    out_rows = lse_rows = part_lse = part_out = None
+    rows_shape = (heads_q, seq_q, head_dim)
+    if g_tile > 1:
         group = heads_q // heads_kv
-        q_rows = query.as_strided((batch, heads_kv, group, head_dim),
-                                  (query.stride(0), group * query.stride(1), query.stride(1),
-                                   query.stride(3)), query.storage_offset())
-        out_rows = out.view(batch, heads_kv, group, head_dim)
-        lse_rows = lse.view(batch, heads_kv, group) if variant.write_lse else None
-    splits = plan.kv_splits
-    if splits > 1:  # fp32 partial results per key slice, merged by finish()
-        out_arg = torch.empty((splits * batch,) + out_rows.shape[1:], dtype=torch.float32,
-                              device=device)
-        lse_arg = torch.empty((splits * batch,) + lse_rows.shape[1:], dtype=torch.float32,
-                              device=device)
-    else:
-        out_arg = out_rows
-        lse_arg = lse_rows if variant.write_lse else _placeholder(device, torch.float32, 3)
+        rows_shape = (heads_kv, seq_q, group, head_dim)
+        out_rows = ((batch,) + rows_shape, (heads_q * seq_q * head_dim, group * seq_q * head_dim,
+                                            head_dim, seq_q * head_dim, 1))
+        lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, group * seq_q, 1, seq_q))
+    offset = workspace = 0
+    if splits > 1:
+        out_shape = (splits * batch,) + rows_shape
+        lse_size = math.prod(out_shape[:-1])
+        offset = -(-lse_size // 4) * 4  # 16-byte aligned
+        workspace = offset + lse_size * head_dim
+        part_lse = (out_shape[:-1], _contiguous_strides(out_shape[:-1]))
+        part_out = (out_shape, _contiguous_strides(out_shape))
+    return BufferViews(out_rows, lse_rows, part_lse, part_out, offset, workspace)
+
+
+class LaunchArrays(NamedTuple):
+    attention: tuple             # Q, K, V, Out, Lse, Mask, TileState as the kernel takes them
+    merge: Optional[tuple]       # PartOut, PartLse, Out, Lse for the merge (kv_splits > 1)
+    out: torch.Tensor            # (B, Hq, Sq, D)
+    lse: Optional[torch.Tensor]  # (B, Hq, Sq) fp32, or None when not asked for
+
+
+def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, mask: Optional[CompactMask]) -> LaunchArrays:
+    """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
+    is how :func:`export_signatures` sees exactly the arrays a real launch passes."""
+    variant, views = plan.variant, plan.views
+    device = query.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    lse = (torch.empty(query.shape[:3], dtype=torch.float32, device=device)
+           if plan.return_lse else None)
+    q_rows, out_rows, lse_rows = query, out, lse
+    if views.out_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
+        group = views.out_rows[0][3]
+        stride = query.stride()
+        q_rows = query.as_strided(views.out_rows[0], (stride[0], group * stride[1], stride[2],
+                                                      stride[1], stride[3]),
+                                  query.storage_offset())
+        out_rows = out.as_strided(*views.out_rows)
+        if lse is not None:
+            lse_rows = lse.as_strided(*views.lse_rows)
+    if lse_rows is None:
+        lse_rows = _placeholder(device, torch.float32, 4 if variant.g_tile > 1 else 3, capturing)
+    merge = None
+    out_arg, lse_arg = out_rows, lse_rows
+    if views.part_out is not None:  # fp32 partial results per key slice, combined by the merge
+        workspace = torch.empty(views.workspace, dtype=torch.float32, device=device)
+        out_arg = workspace.as_strided(*views.part_out, views.part_offset)
+        lse_arg = workspace.as_strided(*views.part_lse)
+        merge = (out_arg, lse_arg, out_rows, lse_rows)
     if mask is not None:
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
         # the reinterpretation never reaches a traced graph.
         mask_arg = mask.tensor.view(variant.mask_dtype)
-        states = mask.states(variant.tile_m, variant.tile_n)
+        states = (mask.states(variant.tile_m, variant.tile_n)
+                  if variant.constants.MASK_TABLE
+                  else _placeholder(device, torch.int8, 4, capturing))
     else:
-        mask_arg = _placeholder(device, torch.uint8, 4)
-        states = _placeholder(device, torch.int8, 4)
-
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        if splits > 1:
-            _merge_splits(out_arg.view((splits,) + out_rows.shape),
-                          lse_arg.view((splits,) + lse_rows.shape), out_rows, lse_rows)
-        return out, lse
-
-    return (q_rows, key, value, out_arg, lse_arg, mask_arg, states), finish
-
-
-def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor) -> None:
-    """Combine per-slice softmax results: weights exp(lse_s - lse) with lse = logsumexp_s."""
-    total = torch.logsumexp(part_lse, dim=0)
-    # Rows no slice saw: every lse_s is -inf; shifting by 0 gives weight 0 and output 0.
-    weight = torch.exp(part_lse - total.masked_fill(total == float("-inf"), 0.0))
-    out.copy_((weight.unsqueeze(-1) * part_out).sum(dim=0))
-    lse.copy_(total)
+        mask_arg = _placeholder(device, torch.uint8, 4, capturing)
+        states = _placeholder(device, torch.int8, 4, capturing)
+    return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states), merge, out, lse)
 
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: Optional[CompactMask]) -> tuple[torch.Tensor, torch.Tensor]:
+               mask: Optional[CompactMask]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launches the attention kernel (and the merge when the keys are split) on the current
+    stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it."""
     import cuda.tile as ct
 
-    arrays, finish = kernel_arguments(plan, query, key, value, mask)
+    arrays = launch_arrays(plan, query, key, value, mask)
     device = query.device
-    launch_args = (torch.cuda.current_stream(device), plan.grid, plan_kernel(plan),
-                   arrays + plan.scalars + plan.variant.constants)
+    stream = torch.cuda.current_stream(device)
+
+    def launch():
+        ct.launch(stream, plan.grid, plan_kernel(plan),
+                  arrays.attention + plan.scalars + plan.variant.constants)
+        if arrays.merge is not None:
+            ct.launch(stream, plan.merge_grid, merge_kernel(),
+                      arrays.merge + (plan.kv_splits,) + plan.merge)
+
     if device.index == torch.cuda.current_device():
-        ct.launch(*launch_args)
+        launch()
     else:  # the launch goes to the current device's context
         with torch.cuda.device(device):
-            ct.launch(*launch_args)
-    return finish()
+            launch()
+    return arrays.out, arrays.lse
 
 
-def export_signature(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                     mask: Optional[CompactMask] = None):
-    """The :class:`cuda.tile.compilation.KernelSignature` that a launch of ``plan`` on these
-    tensors compiles (meta tensors are fine).
-
-    It mirrors what the JIT assumes at launch time, so an export compiles the same code (TMA
-    loads and all) that runs: the arrays of :func:`kernel_arguments`, 16-byte aligned (what
-    torch's allocator returns), with each stride's and extent's divisibility read from them.
-    """
+def _array_constraint(tensor: torch.Tensor):
+    """What the JIT assumes at launch time about one array: 16-byte aligned (what torch's
+    allocator returns), each stride's and extent's divisibility read from the tensor."""
     import cuda.tile as ct
-    from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
-                                       ScalarConstraint)
+    from cuda.tile.compilation import ArrayConstraint
 
     ct_dtypes = {torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
                  torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8}
+    size = tensor.element_size()
+    return ArrayConstraint(
+        ct_dtypes[tensor.dtype], tensor.dim(), index_dtype=ct.int32,
+        stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False,
+        stride_constant=[1 if stride == 1 else None for stride in tensor.stride()],
+        stride_divisible_by=[16 // size if stride * size % 16 == 0 else 1
+                             for stride in tensor.stride()],
+        shape_divisible_by=[16 if extent % 16 == 0 else 1 for extent in tensor.shape],
+        base_addr_divisible_by=16)
 
-    def constraint(tensor: torch.Tensor) -> ArrayConstraint:
-        size = tensor.element_size()
-        return ArrayConstraint(
-            ct_dtypes[tensor.dtype], tensor.dim(), index_dtype=ct.int32,
-            stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False,
-            stride_constant=[1 if stride == 1 else None for stride in tensor.stride()],
-            stride_divisible_by=[16 // size if stride * size % 16 == 0 else 1
-                                 for stride in tensor.stride()],
-            shape_divisible_by=[16 if extent % 16 == 0 else 1 for extent in tensor.shape],
-            base_addr_divisible_by=16)
 
-    arrays, _ = kernel_arguments(plan, query, key, key, mask)
+def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                      mask: Optional[CompactMask] = None):
+    """The :class:`cuda.tile.compilation.KernelSignature` of the attention kernel and, when the
+    plan splits the keys, of the merge (else None), as a launch of ``plan`` on these tensors
+    compiles them (meta tensors are fine): an export compiles the same code (TMA loads and all)
+    that runs."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    arrays = launch_arrays(plan, query, key, key, mask)
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
-    return KernelSignature([constraint(a) for a in arrays] + scalars + list(plan.variant.constants),
-                           CallingConvention.cutile_python_v1())
+    attention = KernelSignature([_array_constraint(a) for a in arrays.attention] + scalars
+                                + list(plan.variant.constants),
+                                CallingConvention.cutile_python_v1())
+    merge = None
+    if arrays.merge is not None:
+        merge = KernelSignature([_array_constraint(a) for a in arrays.merge]
+                                + [ScalarConstraint(ct.int32)] + list(plan.merge),
+                                CallingConvention.cutile_python_v1())
+    return attention, merge
 
 
 def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                 mask: Optional[CompactMask] = None, *, arch: str) -> bytes:
-    """The cubin a launch of ``plan`` on these tensors compiles, for ``arch`` (e.g. "sm_90"),
-    built without a GPU by cuTile's exporter."""
+                 mask: Optional[CompactMask] = None, *, arch: str,
+                 kernel: str = "attention") -> bytes:
+    """The cubin a launch of ``plan`` on these tensors compiles for ``arch`` (e.g. "sm_90"),
+    built without a GPU by cuTile's exporter: the attention kernel, or with ``kernel="merge"``
+    the merge of a plan that splits its keys."""
     import io
 
     from cuda.tile.compilation import export_kernel
 
+    attention, merge = export_signatures(plan, query, key, mask)
+    if kernel == "merge":
+        if merge is None:
+            raise ValueError("this plan does not split its keys: it launches no merge")
+        compiled, signature = merge_kernel(), merge
+    elif kernel == "attention":
+        compiled, signature = plan_kernel(plan), attention
+    else:
+        raise ValueError(f"kernel must be 'attention' or 'merge', got {kernel!r}")
     buffer = io.BytesIO()
-    export_kernel(plan_kernel(plan), [export_signature(plan, query, key, mask)], buffer,
-                  gpu_code=arch, output_format="cubin")
+    export_kernel(compiled, [signature], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()

@@ -39,6 +39,11 @@ class CompactMask:
         return table
 
     @property
+    def layout(self) -> tuple:
+        """What a kernel plan depends on: kind, dtype and which dims are full."""
+        return (self.kind, self.tensor.dtype, self.batched, self.headed, self.per_row)
+
+    @property
     def batched(self) -> bool:
         return self.tensor.shape[0] > 1
 

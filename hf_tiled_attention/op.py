@@ -18,7 +18,7 @@ import torch
 
 from . import autotune
 from .checks import check_inputs, check_options
-from .launch import plan_launch, run_kernel
+from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, compact_mask
 from .reference import reference_attention
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
@@ -77,14 +77,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: Union[torch.Tensor, CompactMask, None], *, causal: bool,
               scale: Optional[float],
               window: Optional[int], softcap: Optional[float], diag_offset: int,
-              schedule: Optional[Schedule] = None,
-              return_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+              schedule: Optional[Schedule] = None, return_lse: bool = True,
+              key_mask_table: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
     ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
     caches whose keys extend past the current queries). ``attn_mask`` may also be a
     :class:`CompactMask` made by :func:`compact_mask` for this shape, which callers reuse across
-    layers so its tile tables are built once. Returns ``(out, lse)``; ``lse`` is None unless
-    ``return_lse`` (a kernel that skips it saves an allocation and its stores)."""
+    layers so its tile tables are built once; ``key_mask_table=False`` skips that table for a
+    key-vector mask used once (the kernel then applies it on every key tile it visits).
+    Returns ``(out, lse)``; ``lse`` is None unless ``return_lse`` (a kernel that skips it saves
+    an allocation and its stores)."""
     batch, heads_q, seq_q, head_dim = query.shape
     mask = attn_mask
     if attn_mask is not None and not isinstance(attn_mask, CompactMask):
@@ -111,7 +113,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
     return _forward(query, key, value, mask, causal, float(scale), window or None,
-                    softcap or None, int(diag_offset), schedule, return_lse)
+                    softcap or None, int(diag_offset), schedule, return_lse, key_mask_table)
 
 
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
@@ -120,14 +122,17 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   window: int, softcap: float, diag_offset: int,
                   schedule: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     compact = None if mask is None else CompactMask(mask, mask_kind)
+    # Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which
+    # every layer of every step would rebuild; the kernel applies it on each visited tile.
     return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
-                    diag_offset, Schedule.from_list(schedule), True)
+                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=False)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
              softcap: Optional[float], diag_offset: int, explicit: Schedule,
-             return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             return_lse: bool, key_mask_table: bool = True,
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
     The LSE is None when not ``return_lse`` (the kernel path skips it)."""
     device = query.device
@@ -137,13 +142,36 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
                                        window=window, softcap=softcap, diag_offset=diag_offset)
         return out, (lse if return_lse else None)
+    # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
+    # step of a static-cache decode) reuses the first call's.
+    memo_key = (query.shape, key.shape, query.dtype, device,
+                None if mask is None else mask.layout, causal, scale, window, softcap,
+                diag_offset, explicit, active_override(), return_lse, key_mask_table,
+                autotune.state())
+    plan = _plans.get(memo_key)
+    if plan is None:
+        plan = _plan(query, key, mask, causal, scale, window, softcap, diag_offset, explicit,
+                     return_lse, key_mask_table, value)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[memo_key] = plan
+    return run_kernel(plan, query, key, value, mask)
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+
+
+def _plan(query, key, mask, causal, scale, window, softcap, diag_offset, explicit, return_lse,
+          key_mask_table, value) -> LaunchPlan:
+    device = query.device
     arch_major = _arch_major(device)
 
-    def launch_with(schedule: Schedule):
-        plan = plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
+    def plan_with(schedule: Schedule) -> LaunchPlan:
+        return plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
                            softcap=softcap, diag_offset=diag_offset, schedule=schedule,
-                           return_lse=return_lse, sm_count=_sm_count(device))
-        return run_kernel(plan, query, key, value, mask)
+                           return_lse=return_lse, sm_count=_sm_count(device),
+                           key_mask_table=key_mask_table)
 
     tuned = None
     if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():
@@ -152,13 +180,13 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                     autotune.seq_bucket(key.shape[2]),
                                     query.shape[2] <= SHORT_QUERY_ROWS)
         tuned = autotune.tuned_schedule(
-            tune_key, lambda candidate: launch_with(resolve_schedule(
+            tune_key, lambda candidate: run_kernel(plan_with(resolve_schedule(
                 None, arch_major, query.dtype, query.shape[-1], causal, tuned=candidate,
-                seq_q=query.shape[2], seq_kv=key.shape[2])),
+                seq_q=query.shape[2], seq_kv=key.shape[2])), query, key, value, mask),
             cuda=True)
-    return launch_with(resolve_schedule(explicit, arch_major, query.dtype, query.shape[-1],
-                                        causal, tuned=tuned, seq_q=query.shape[2],
-                                        seq_kv=key.shape[2]))
+    return plan_with(resolve_schedule(explicit, arch_major, query.dtype, query.shape[-1],
+                                      causal, tuned=tuned, seq_q=query.shape[2],
+                                      seq_kv=key.shape[2]))
 
 
 @functools.lru_cache(maxsize=None)

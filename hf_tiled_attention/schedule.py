@@ -171,6 +171,10 @@ for _causal in (False, True):
 # faster in the autotuner's A/B; from 4k the two-warpgroup tile wins, step 5).
 SHORT_QUERY_ROWS = 64
 SHORT_KEYS = 2048
+# Queries of at most DECODE_QUERY_ROWS rows (decode, speculative decoding) also pack the query
+# heads of a kv head into one tile and split the keys to fill the GPU (the launcher's decode path;
+# perf-notes step 18).
+DECODE_QUERY_ROWS = 16
 
 
 def head_dim_tile(head_dim: int) -> int:
@@ -194,26 +198,38 @@ def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal:
                      seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
     """The default table's entry for one call (``dtype`` is part of the key for future entries).
     ``seq_q`` and ``seq_kv``, when known, pick the one-warpgroup tile for short calls (at most
-    :data:`SHORT_QUERY_ROWS` query rows or :data:`SHORT_KEYS` keys)."""
-    return _table_entry(arch_major, dtype, head_dim, causal, _is_short(seq_q, seq_kv))
+    :data:`SHORT_QUERY_ROWS` query rows or :data:`SHORT_KEYS` keys), and for decode (at most
+    :data:`DECODE_QUERY_ROWS` query rows) GQA packing and automatic key splits."""
+    return _table_entry(arch_major, dtype, head_dim, causal, _call_kind(seq_q, seq_kv))
 
 
-def _is_short(seq_q: Optional[int], seq_kv: Optional[int]) -> bool:
-    return ((seq_q is not None and seq_q <= SHORT_QUERY_ROWS)
-            or (seq_kv is not None and seq_kv <= SHORT_KEYS))
+def _call_kind(seq_q: Optional[int], seq_kv: Optional[int]) -> str:
+    """"decode" (at most DECODE_QUERY_ROWS queries), "short" (at most SHORT_QUERY_ROWS queries or
+    SHORT_KEYS keys) or "long"."""
+    if seq_q is not None and seq_q <= DECODE_QUERY_ROWS:
+        return "decode"
+    if (seq_q is not None and seq_q <= SHORT_QUERY_ROWS) or (
+            seq_kv is not None and seq_kv <= SHORT_KEYS):
+        return "short"
+    return "long"
 
 
 def _table_entry(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
-                 short: bool) -> Schedule:
+                 kind: str) -> Schedule:
     del dtype
     lead, tail = head_dim_parts(head_dim, split=True)
-    if tail and lead == 64:
-        return _SPLIT_AFTER_64
-    if tail and lead == 128:  # even for short calls: a 64-row tile is short of registers here
-        return _SPLIT_AFTER_128
     tile_d = head_dim_tile(head_dim)
-    entry = _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
-    return _ONE_WARPGROUP if short and entry is _TWO_WARPGROUPS else entry
+    if tail and lead == 64:
+        entry = _SPLIT_AFTER_64
+    elif tail and lead == 128:  # even for short calls: a 64-row tile is short of registers here
+        entry = _SPLIT_AFTER_128
+    else:
+        entry = _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
+        if kind != "long" and entry is _TWO_WARPGROUPS:
+            entry = _ONE_WARPGROUP
+    if kind == "decode":
+        entry = dataclasses.replace(entry, pack_gqa=True, kv_splits=0)
+    return entry
 
 
 _override: contextvars.ContextVar[Optional[Schedule]] = contextvars.ContextVar(
@@ -243,14 +259,14 @@ def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch
     """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
     it), then ``use_schedule``, then ``schedule=``. Memoised: it runs on every kernel call."""
     return _layered(explicit, _override.get(), tuned, arch_major, dtype, head_dim, causal,
-                    _is_short(seq_q, seq_kv))
+                    _call_kind(seq_q, seq_kv))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
              tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
-             causal: bool, short: bool) -> Schedule:
-    schedule = _table_entry(arch_major, dtype, head_dim, causal, short)
+             causal: bool, kind: str) -> Schedule:
+    schedule = _table_entry(arch_major, dtype, head_dim, causal, kind)
     for layer in (tuned, override, explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)

@@ -12,11 +12,15 @@ pytest.importorskip("cuda.tile.compilation")
 from eval.inspect_cubin import compile_cubin, report  # noqa: E402
 
 
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, True), (256, False),
-                                              (80, False), (96, True)])
-def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causal):
+@pytest.mark.parametrize("head_dim, causal, seq_q, heads", [
+    (128, False, 4096, (32, 8)), (128, True, 4096, (32, 8)), (64, True, 4096, (32, 8)),
+    (256, False, 4096, (32, 8)), (80, False, 4096, (32, 8)), (96, True, 4096, (32, 8)),
+    # decode: the packed group tile keeps the warpgroup MMA (one query x 4 heads, 16 x 8 heads)
+    (128, True, 1, (32, 8)), (64, True, 1, (32, 8)), (128, True, 16, (32, 4)),
+])
+def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causal, seq_q, heads):
     info = report(compile_cubin(arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
-                                causal=causal))
+                                causal=causal, seq_q=seq_q, heads=heads, seq_kv=16384))
     ops = info["ops"]
     assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA: the tensor-core path regressed"
     assert ops.get("UTMALDG", 0) > 0, "no TMA loads: K/V went back to per-thread loads"

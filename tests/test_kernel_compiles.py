@@ -1,15 +1,22 @@
-"""CPU: the cuTile kernel compiles to cubin for sm_80, sm_90, sm_100 and sm_120.
+"""CPU: the cuTile kernels compile to cubin for sm_80, sm_90, sm_100 and sm_120.
 
 No GPU needed: cuda.tile.compilation.export_kernel runs the whole compiler. Each variant is
 planned by the op's own launcher (launch.plan_launch on meta tensors) with the default schedule,
-so a change that breaks any dtype, head-dim tile or feature combination fails here. Covered:
-every dtype x head-dim tile with all features on, and each mask layout / feature switch off.
+so a change that breaks any dtype, head-dim tile or feature combination fails here.
+
+sm_90 (the H200 the defaults are tuned for) compiles every dtype x head-dim tile with all features
+on, each feature switch and the decode paths with their merge. The other archs compile every
+head-dim tile in bf16, each other dtype once and every feature variant: a dtype's code path is
+the same at every head dim (fp32's three-TF32 variants cost 5-25 s each to compile, 97 s at
+sm_120 for one of them, so they are not repeated per arch).
 """
+
+import inspect
 
 import pytest
 import torch
 
-from hf_tiled_attention.launch import export_cubin, plan_launch
+from hf_tiled_attention.launch import KernelConstants, MergeConstants, export_cubin, plan_launch
 from hf_tiled_attention.masks import compact_mask
 from hf_tiled_attention.schedule import Schedule, resolve_schedule
 
@@ -18,29 +25,34 @@ pytest.importorskip("cuda.tile.compilation")
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 HEAD_DIMS = [16, 32, 64, 128, 256]   # one per head-dim tile
-DECODE = Schedule(pack_gqa=True, kv_splits=0)
 
 
 def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_rows",
-          return_lse=True, heads_q=32, heads_kv=8, schedule=None, seq_q=1024, sm_count=0):
+          return_lse=True, heads_q=32, heads_kv=8, schedule=None, seq_q=1024, sm_count=0,
+          key_mask_table=True):
     q = torch.empty(2, heads_q, seq_q, head_dim, dtype=dtype, device="meta")
     k = torch.empty(2, heads_kv, 1024, head_dim, dtype=dtype, device="meta")
     masks = {
         None: None,
         "bool_rows": torch.empty(2, heads_q, seq_q, 1024, dtype=torch.bool, device="meta"),
         "bool_keypad": torch.empty(2, 1, 1, 1024, dtype=torch.bool, device="meta"),
+        "additive_keys": torch.empty(1, 1, 1, 1024, dtype=dtype, device="meta"),
         "additive_heads": torch.empty(1, heads_q, seq_q, 1024, dtype=dtype, device="meta"),
     }
     compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, seq_q, 1024)
-    schedule = resolve_schedule(schedule, 9, dtype, head_dim, causal)
+    schedule = resolve_schedule(schedule, 9, dtype, head_dim, causal, seq_q=seq_q, seq_kv=1024)
     plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
                        diag_offset=1024 - seq_q, schedule=schedule, return_lse=return_lse,
-                       sm_count=sm_count)
+                       sm_count=sm_count, key_mask_table=key_mask_table)
     return plan, (q, k, compact)
 
 
-VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
-            for dtype in DTYPES for d in HEAD_DIMS] + [
+def _matrix(dtype, head_dim):
+    return pytest.param(dtype, head_dim, {}, id=f"{str(dtype)[6:]}-d{head_dim}-all")
+
+
+DECODE = dict(seq_q=1, mask="bool_keypad", softcap=None, window=None, sm_count=132)
+FEATURES = [
     pytest.param(torch.bfloat16, 128, dict(causal=False, window=None, softcap=None, mask=None,
                                            return_lse=False), id="bf16-d128-plain"),
     pytest.param(torch.bfloat16, 128, dict(causal=False, softcap=None, mask="bool_keypad"),
@@ -55,43 +67,88 @@ VARIANTS = [pytest.param(dtype, d, {}, id=f"{str(dtype)[6:]}-d{d}-all")
     pytest.param(torch.bfloat16, 160, {}, id="bf16-d160-split-all"),   # 128 + 32, 128x128 tiles
     pytest.param(torch.float16, 96, dict(causal=False, window=None, softcap=None, mask=None),
                  id="fp16-d96-split-plain"),
-    pytest.param(torch.float32, 80, dict(mask=None), id="fp32-d80-split"),
     # a fixed grid of blocks that loop over the tiles, with every feature
     pytest.param(torch.bfloat16, 128, dict(schedule=Schedule(persistent=True)),
                  id="bf16-d128-persistent-all"),
-    # decode: GQA rows packed into one tile, keys split over blocks
-    pytest.param(torch.bfloat16, 128, dict(seq_q=1, mask="bool_keypad", softcap=None, window=None,
-                                           sm_count=132, schedule=DECODE),
-                 id="bf16-d128-decode-packed-split"),
+    # decode: a kv head's query heads packed into a 64-row tile, keys split over blocks
+    pytest.param(torch.bfloat16, 128, DECODE, id="bf16-d128-decode-packed-split"),
 ]
+SM90_ONLY = [
+    pytest.param(torch.float32, 80, dict(mask=None), id="fp32-d80-split"),
+    # decode variants: a key vector applied on every tile (traced calls), 16 queries x 8 heads
+    # (a 128-row tile, two warpgroups), MHA (split, not packed), an additive key vector, D=256
+    pytest.param(torch.bfloat16, 128, dict(DECODE, key_mask_table=False),
+                 id="bf16-d128-decode-keymask-no-table"),
+    pytest.param(torch.bfloat16, 80, dict(DECODE, seq_q=16, heads_kv=4, causal=True),
+                 id="bf16-d80-decode16-g8"),
+    pytest.param(torch.float16, 64, dict(DECODE, heads_kv=32, mask=None), id="fp16-d64-decode-mha"),
+    pytest.param(torch.float16, 256, dict(DECODE, heads_kv=1, mask="additive_keys", window=300),
+                 id="fp16-d256-decode-mqa-additive-window"),
+    pytest.param(torch.float32, 64, DECODE, id="fp32-d64-decode"),
+]
+def _cases():
+    for arch in ARCHS:
+        if arch == "sm_90":
+            grid = [_matrix(dtype, d) for dtype in DTYPES for d in HEAD_DIMS] + SM90_ONLY
+        else:
+            grid = ([_matrix(torch.bfloat16, d) for d in HEAD_DIMS]
+                    + [_matrix(torch.float16, 128), _matrix(torch.float32, 32)])
+        for param in grid + FEATURES:
+            yield pytest.param(arch, *param.values, id=f"{param.id}-{arch}")
 
 
-def _compile(plan_and_tensors, arch):
-    plan, tensors = plan_and_tensors
-    return export_cubin(plan, *tensors, arch=arch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype, head_dim, options", VARIANTS)
+@pytest.mark.parametrize("arch, dtype, head_dim, options", list(_cases()))
 def test_kernel_compiles_to_cubin(arch, dtype, head_dim, options):
-    cubin = _compile(_plan(dtype, head_dim, **options), arch)
-    assert cubin[:4] == b"\x7fELF", "export_kernel must produce an ELF cubin"
+    plan, tensors = _plan(dtype, head_dim, **options)
+    assert export_cubin(plan, *tensors, arch=arch)[:4] == b"\x7fELF"
+    if plan.kv_splits > 1:
+        assert export_cubin(plan, *tensors, arch=arch, kernel="merge")[:4] == b"\x7fELF"
+
+
+def test_constants_are_passed_in_the_kernels_order():
+    """The launcher builds the constants by name; the kernels take them by position."""
+    from hf_tiled_attention.kernel import attention_forward
+    from hf_tiled_attention.merge import merge_splits
+    for kernel, names in ((attention_forward, KernelConstants._fields),
+                          (merge_splits, MergeConstants._fields)):
+        params = inspect.signature(kernel._pyfunc).parameters
+        constants = [name for name, p in params.items() if "ConstantAnnotation" in repr(p.annotation)]
+        assert tuple(constants) == names
+        assert list(params)[-len(names):] == constants  # the constants come last
 
 
 def test_decode_plan_packs_rows_and_splits_keys():
-    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132,
-                    schedule=DECODE)
-    assert plan.variant.packed_rows and plan.variant.tile_m == 16
-    assert plan.kv_splits == 2 and plan.grid == (2, 8, 2)   # 8 key tiles, 16 blocks unsplit
-    headed, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="additive_heads", window=None,
-                      sm_count=132, schedule=DECODE)
-    assert not headed.variant.packed_rows  # a per-head mask keeps one head per block
+    plan, _ = _plan(torch.bfloat16, 128, **DECODE)
+    # 64 rows = 16 positions x 4 heads; 8 kv heads x batch 2 = 16 blocks would take 17 splits to
+    # fill 132 SMs x 2, but 8 key tiles of 128 make at most 4 splits of 2 tiles
+    assert plan.variant.g_tile == 4 and plan.variant.tile_m == 64
+    assert plan.kv_splits == 4 and plan.grid == (4, 8, 2)
+    assert plan.merge is not None and plan.merge_grid == (1, 8, 2)
+    headed, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask="additive_heads"))
+    assert headed.variant.g_tile == 1  # a per-head mask keeps one head per block
+    wide, _ = _plan(torch.bfloat16, 128, **dict(DECODE, seq_q=16, heads_kv=4))
+    assert (wide.variant.g_tile, wide.variant.tile_m, wide.variant.num_worker_warps,
+            wide.variant.occupancy) == (8, 128, 8, 1)
+
+
+def test_decode_splits_fill_the_gpu():
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, 131072, 128, dtype=torch.bfloat16, device="meta")
+    schedule = resolve_schedule(None, 9, torch.bfloat16, 128, True, seq_q=1, seq_kv=131072)
+    long = plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
+                       diag_offset=131071, schedule=schedule, return_lse=False, sm_count=132)
+    assert long.kv_splits == 33 and long.grid == (33, 8, 1)   # one wave of 264 blocks
+    big_batch = plan_launch(q.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1), None,
+                            causal=True, scale=0.1, window=None, softcap=None,
+                            diag_offset=131071, schedule=schedule, return_lse=False,
+                            sm_count=132)
+    assert big_batch.kv_splits == 1 and big_batch.merge is None  # 256 blocks fill it already
 
 
 def test_persistent_plan_launches_one_wave():
     plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=Schedule(persistent=True))
     occupancy = plan.variant.occupancy
-    assert plan.grid == (132 * occupancy, 1, 1) and plan.variant.constants[-1] is True
+    assert plan.grid == (132 * occupancy, 1, 1) and plan.variant.constants.PERSISTENT is True
     # fewer tiles than one wave: one block per tile
     small, _ = _plan(torch.bfloat16, 128, seq_q=64, heads_q=8, sm_count=132, mask=None,
                      schedule=Schedule(persistent=True, tile_m=64))
@@ -102,18 +159,19 @@ def test_persistent_plan_launches_one_wave():
 
 
 def test_head_dim_split_reaches_the_kernel():
-    tile_d_at = 4  # TILE_D's position in the kernel's constants; TAIL_D follows it
     split, _ = _plan(torch.bfloat16, 80)
-    assert split.variant.constants[tile_d_at:tile_d_at + 2] == (64, 16)
+    assert (split.variant.constants.TILE_D, split.variant.constants.TAIL_D) == (64, 16)
     padded, _ = _plan(torch.bfloat16, 80, schedule=Schedule(split_head_dim=False))
-    assert padded.variant.constants[tile_d_at:tile_d_at + 2] == (128, 0)
+    assert (padded.variant.constants.TILE_D, padded.variant.constants.TAIL_D) == (128, 0)
 
 
 def test_prefill_plan_does_not_split():
-    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=DECODE)
-    assert plan.kv_splits == 1 and not plan.variant.packed_rows
+    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=Schedule(pack_gqa=True,
+                                                                         kv_splits=0))
+    assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None
 
 
-def test_default_schedule_neither_packs_nor_splits():
-    plan, _ = _plan(torch.bfloat16, 128, seq_q=1, mask="bool_keypad", window=None, sm_count=132)
-    assert plan.kv_splits == 1 and not plan.variant.packed_rows
+def test_decode_packing_can_be_turned_off():
+    plan, _ = _plan(torch.bfloat16, 128, **dict(DECODE, schedule=Schedule(pack_gqa=False,
+                                                                           kv_splits=1)))
+    assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None

@@ -94,20 +94,68 @@ def test_head_dim_split_and_padded_agree(head_dim, split):
             check_case(case, dtype, schedule=schedule)
 
 
-@pytest.mark.parametrize("case", [
-    # decode with GQA: the group's query heads packed into one tile, keys split over blocks
-    Case(batch=1, heads_q=8, heads_kv=2, seq_q=1, seq_kv=5000, head_dim=128, causal=True,
+DECODE_CASES = [
+    # a kv head's query heads packed as the rows of one tile, keys split to fill the GPU (the
+    # default for at most 16 queries); left padding; a query as transformers hands it over
+    Case(batch=1, heads_q=32, heads_kv=8, seq_q=1, seq_kv=5000, head_dim=128, causal=True,
          mask="bool_keypad"),
+    Case(batch=2, heads_q=32, heads_kv=8, seq_q=1, seq_kv=3000, head_dim=128, causal=True,
+         strided=True),
+    # sliding window (Mistral): split boundaries fall inside the window
     Case(batch=3, heads_q=12, heads_kv=4, seq_q=1, seq_kv=3001, window=700, causal=True),
+    Case(batch=2, heads_q=32, heads_kv=1, seq_q=1, seq_kv=4000, head_dim=64, causal=True),  # MQA
+    # GQA 32/4 at D=256 with softcap (Gemma 2)
+    Case(batch=2, heads_q=32, heads_kv=4, seq_q=1, seq_kv=4000, head_dim=256, causal=True,
+         softcap=30.0),
+    Case(batch=2, heads_q=8, heads_kv=8, seq_q=1, seq_kv=3000, causal=True),   # MHA: split only
+    # several queries (speculative / assisted decoding): 16 x 4 heads, 5 x 8 heads in 128 rows
+    Case(batch=1, heads_q=8, heads_kv=2, seq_q=16, seq_kv=4000, causal=True, softcap=20.0),
+    Case(batch=2, heads_q=32, heads_kv=4, seq_q=5, seq_kv=2000, causal=True, window=300,
+         head_dim=80),
+    Case(batch=1, heads_q=4, heads_kv=2, seq_q=1, seq_kv=4000, mask="additive"),
+    # masks with rows or heads keep one head per tile (not packed), still split
     Case(batch=1, heads_q=8, heads_kv=1, seq_q=1, seq_kv=4000, mask="bool_empty_rows"),
     Case(batch=1, heads_q=4, heads_kv=2, seq_q=1, seq_kv=4000, mask="additive_heads"),
-    # MHA decode (no packing) and a 5-query chunk against a long cache: split only
-    Case(batch=2, heads_q=4, heads_kv=4, seq_q=1, seq_kv=3000, causal=True),
-    Case(batch=1, heads_q=4, heads_kv=2, seq_q=5, seq_kv=4000, causal=True, softcap=20.0),
-], ids=lambda c: c.name)
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_packed_and_split(case, dtype):
-    check_case(case, dtype, schedule=Schedule(pack_gqa=True, kv_splits=0))
+    check_case(case, dtype)
+
+
+@pytest.mark.parametrize("schedule", [
+    Schedule(kv_splits=8), Schedule(kv_splits=1), Schedule(pack_gqa=False, kv_splits=5),
+], ids=str)
+def test_decode_forced_splits(schedule):
+    """8 splits of 3000 keys: the first splits of the left-padded batch row see no key at all;
+    one split; no packing."""
+    for case in (Case(batch=2, heads_q=16, heads_kv=4, seq_q=1, seq_kv=3000, causal=True,
+                      mask="bool_keypad"),
+                 Case(batch=2, heads_q=16, heads_kv=4, seq_q=7, seq_kv=3000, causal=True,
+                      window=500)):
+        check_case(case, torch.bfloat16, schedule=schedule)
+
+
+def test_decode_key_mask_without_table():
+    """A key-vector mask applied on every visited tile (traced calls build no tile table), a
+    batch row with no visible key at all (exactly 0), and a static cache's unwritten tail."""
+    from hf_tiled_attention.op import attention
+    case = Case(batch=3, heads_q=32, heads_kv=8, seq_q=1, seq_kv=4096, head_dim=128)
+    q, k, v, _ = make_inputs(case, "cuda", torch.bfloat16)
+    keys = torch.arange(4096, device="cuda")
+    mask = torch.stack([keys < 3000, torch.zeros_like(keys, dtype=torch.bool),
+                        (keys >= 100) & (keys < 2500)])[:, None, None, :]
+    for table in (False, True):
+        poison_allocator(q.numel() * 4)
+        out, lse = attention(q, k, v, mask, causal=False, scale=None, window=None, softcap=None,
+                             diag_offset=4095, return_lse=True, key_mask_table=table)
+        want_out, want_lse = definition(q, k, v, mask)
+        assert (out[1] == 0).all() and lse[1].isinf().all()
+        keep = ~want_lse.isinf()
+        assert (out.double()[keep] - want_out[keep]).abs().max().item() <= TOLERANCE[torch.bfloat16]
+        assert (lse[keep].double() - want_lse[keep]).abs().max().item() <= 1e-2
 
 
 @pytest.mark.parametrize("schedule", [

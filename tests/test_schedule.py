@@ -57,11 +57,16 @@ def test_short_calls_never_take_the_two_warpgroup_tile(head_dim):
     assert default_schedule(9, torch.bfloat16, head_dim, False, 4096, 4096) == long
     one_warpgroup = default_schedule(9, torch.bfloat16, head_dim, True)
     assert (one_warpgroup.tile_m, one_warpgroup.num_worker_warps) == (64, 4)
-    # few query rows (decode), or a short key loop
-    for seq_q, seq_kv in ((1, 16384), (64, 4096), (2048, 2048), (1024, 1024), (None, 100)):
+    # few query rows, or a short key loop
+    for seq_q, seq_kv in ((17, 16384), (64, 4096), (2048, 2048), (1024, 1024), (None, 100)):
         short = resolve_schedule(None, 9, torch.bfloat16, head_dim, False, seq_q=seq_q,
                                  seq_kv=seq_kv)
         assert short == one_warpgroup, (seq_q, seq_kv)
+    # decode (at most 16 query rows): the same tile, with GQA packing and automatic key splits
+    for seq_q in (1, 16):
+        decode = resolve_schedule(None, 9, torch.bfloat16, head_dim, False, seq_q=seq_q,
+                                  seq_kv=16384)
+        assert decode == dataclasses.replace(one_warpgroup, pack_gqa=True, kv_splits=0)
     assert resolve_schedule(None, 9, torch.bfloat16, head_dim, False, seq_q=65,
                             seq_kv=2049) == long
     # an explicit choice still wins
