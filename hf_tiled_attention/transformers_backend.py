@@ -32,9 +32,15 @@ description instead of an ``O(Sq x Skv)`` tensor:
        chunked attention (Llama 4), or any user-supplied pattern;
     2. under ``torch.compile`` with a StaticCache and ``Sq > 1`` (compiled chunked prefill), where
        the query offset is a traced tensor that cannot become the kernel's integer diagonal
-       without a graph break. (Compiled decoding, ``Sq == 1``, stays compact: the causal/window
-       limits become part of the ``(B, 1, 1, Skv)`` key vector.)
+       without a graph break.
   When ``dense`` is set the kernel's causal/window flags are off: the mask holds everything.
+
+Decoding (``Sq == 1``) with a compileable cache (StaticCache, whose query offset is a tensor) gets
+no :class:`TiledMask` but a plain ``(B, 1, 1, Skv)`` bool tensor with the causal/window limits
+and the padding folded in: ``generate()`` builds that mask ahead of each compiled decode step,
+and a tensor of fixed shape is the one thing that crosses into the compiled step without a
+recompile per step (an object's identity or a Python int that changes per step would not). The
+kernel applies it on every key tile it visits, with no per-tile table to rebuild per layer.
 
 The attention function additionally builds a per-document ``(B, 1, Sq, Skv)`` mask for packed
 sequences signalled only through its kwargs (``cu_seq_lens_q/k`` from
@@ -49,7 +55,7 @@ A kernel/op feature that would remove fallback 1 for packed sequences: per-token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -216,7 +222,7 @@ def _padding_slice(attention_mask: Optional[torch.Tensor], batch_size: int, kv_l
 def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                mask_function=None, attention_mask: Optional[torch.Tensor] = None,
                local_size: Optional[int] = None, use_vmap: bool = False, device="cpu",
-               **kwargs) -> TiledMask:
+               **kwargs) -> Union[TiledMask, torch.Tensor]:
     """``AttentionMaskInterface`` entry: called by transformers' ``create_*_mask`` with the
     arguments it gives ``sdpa_mask`` (5.17 to 5.24: ``q_offset``/``kv_offset``, the pattern's
     ``mask_function``, the 2-D padding ``attention_mask``, ``local_size``, ``allow_*_skip``,
@@ -253,11 +259,12 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     pad = _padding_slice(attention_mask, batch_size, kv_length, kv_offset, device)
     compiling = _compiling()
 
-    if isinstance(q_offset, torch.Tensor) and compiling:
-        # StaticCache under torch.compile: the offset is a traced tensor.
-        if q_length != 1:
-            return dense_fallback()  # fallback 2
-        # Decoding: fold the causal/window limits into the key vector, still (B, 1, 1, Skv).
+    if isinstance(q_offset, torch.Tensor) and q_length == 1:
+        # Decoding with a compileable cache (StaticCache: its query offset is a tensor). The
+        # causal/window limits go into the key vector, a plain (B, 1, 1, Skv) bool tensor of a
+        # fixed shape: no .item() sync, and nothing that changes per step (a Python int, a new
+        # object) reaches a compiled decode step, which generate() builds this mask for ahead
+        # of the step. A plain tensor is what the attention function takes as a full mask.
         kv_pos = torch.arange(kv_length, device=device) + kv_offset
         q_pos = q_offset.to(device).reshape(())
         visible = torch.ones(kv_length, dtype=torch.bool, device=device)
@@ -270,8 +277,11 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         visible = visible.expand(batch_size, kv_length)
         if pad is not None:
             visible = visible & pad
-        return TiledMask(causal=False, window=None, diag_offset=0,
-                         key_mask=visible[:, None, None, :], shape=shape)
+        return visible[:, None, None, :]
+    if isinstance(q_offset, torch.Tensor) and compiling:
+        # StaticCache under torch.compile with several queries: the offset is a traced tensor,
+        # which cannot become the kernel's integer diagonal without a graph break.
+        return dense_fallback()  # fallback 2
 
     diag_offset = _as_int(q_offset) - kv_offset
     key_mask = None
@@ -381,8 +391,9 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         mask = attention_mask[:, -seq_kv:].to(torch.bool)[:, None, None, :]
         has_padding, is_dense = True, False
     elif isinstance(attention_mask, torch.Tensor):
-        # A 4-D mask transformers passed through untouched (user-given): it holds the whole
-        # pattern, as for eager/sdpa. Slice away keys it does not cover (static caches).
+        # A 4-D mask that holds the whole pattern, as for eager/sdpa: user-given (transformers
+        # passes it through untouched), or the key vector of a static-cache decode step (see
+        # tiled_mask). Slice away keys it does not cover (static caches).
         mask = attention_mask[..., :seq_kv]
         if mask.shape[-1] != seq_kv:
             raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {seq_kv}")
@@ -432,9 +443,10 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
     if mask is not None:
         mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
+    # A per-tile table pays off only when the forward's layers share it (through the memo).
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
                            window=window, softcap=softcap, diag_offset=diag_offset,
-                           return_lse=False)
+                           return_lse=False, key_mask_table=memo is not None)
     return out.transpose(1, 2), None
 
 
@@ -442,6 +454,10 @@ def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.d
                        shape: tuple) -> CompactMask:
     """The op's compact form of ``mask`` on the layer's device. Kept in the forward's memo, so
     the layers that share a mask share one copy per GPU and its tile tables."""
+    if memo is None or _compiling():
+        # Nothing to share (a plain tensor mask), or traced: no object ids in traced code, which
+        # dynamo would guard on (a recompile whenever the mask is a new object).
+        return compact_mask(mask.to(device, non_blocking=True), *shape)
     if mask.device != device:
         # A model split over GPUs (device_map): transformers builds the mask once, on the
         # input's device, and accelerate's hooks move tensors but not a TiledMask.

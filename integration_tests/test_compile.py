@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import StaticCache
 
-from models import pair, padded_batch
+from models import build, pair, padded_batch
 
 
 @pytest.fixture(autouse=True)
@@ -65,3 +65,32 @@ def test_compiled_static_cache_decode(name):
     tok_e, logit_e = run(eager, False)
     assert torch.equal(tok_t, tok_e)
     torch.testing.assert_close(logit_t, logit_e, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "qwen2"])
+def test_static_cache_generate_compiles_once(name):
+    """generate(cache_implementation="static") compiles the decode step (as it does on a GPU)
+    and feeds it the masks it builds ahead of each step: no graph break anywhere (fullgraph),
+    no more compilations than eager attention needs (one; two where the sliding-window cache
+    fills up), never one per step, and eager attention's tokens."""
+    from transformers import CompileConfig
+    ids, mask = padded_batch([9, 4, 7], 9, "left", seed=2)
+    graphs, tokens = {}, {}
+    for impl in ("tiled", "eager"):
+        model = build(name, impl)
+        graphs[impl] = 0
+
+        def counting_backend(gm, example_inputs, impl=impl):
+            graphs[impl] += 1
+            return gm.forward
+
+        config = CompileConfig(backend=counting_backend, fullgraph=True, mode=None)
+        config._compile_all_devices = True  # compile on the CPU too
+        torch._dynamo.reset()
+        with torch.no_grad():
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=12,
+                                          min_new_tokens=12, do_sample=False, pad_token_id=0,
+                                          cache_implementation="static",
+                                          compile_config=config)
+    assert 1 <= graphs["tiled"] <= graphs["eager"] <= 2, graphs
+    assert torch.equal(tokens["tiled"], tokens["eager"])
