@@ -46,7 +46,7 @@ BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", 
             "eager"]
 COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim",
            "causal", "window", "left_pad", "schedule", "ms", "tflops", "gpu_ms", "gpu_tflops",
-           "max_err", "status", "reason"]
+           "gpu_kv_tbs", "max_err", "status", "reason"]
 L2_BYTES = 60 * 2**20
 # Named sweeps; explicit flags still override them. Each writes to its own results subfolder.
 PRESETS = {
@@ -58,15 +58,22 @@ PRESETS = {
     "head-dims": dict(seq=[1024, 4096, 16384], head_dim=[80, 96, 256], dtype=["bf16"],
                       heads=["32/8"], backends=["tiled", "sdpa_auto", "sdpa_flash",
                                                 "sdpa_efficient", "sdpa_cudnn"]),
-    # Decode-like Sq=1 against long key sequences.
-    "decode": dict(seq=[1024, 4096, 16384], head_dim=[64, 128], dtype=["bf16"], heads=["32/8"],
-                   decode="also", batch=8, backends=["tiled", "sdpa_auto", "sdpa_flash", "eager"]),
+    # Decode: one query against a cache of 1k-128k keys, every SDPA backend (gpu_kv_tbs: the
+    # rate K/V are read at, the anchor of a memory-bound call).
+    "decode": dict(seq=[1024, 4096, 16384, 65536, 131072], head_dim=[64, 128], dtype=["bf16"],
+                   heads=["32/8", "32/4", "32/32"], decode="only", batch=[1, 8, 32],
+                   causal="on", backends=["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient",
+                                          "sdpa_cudnn"]),
     # The issue's masked-case targets: sliding window and left padding against plain causal
     # (Mistral's 4096 window at 16k; padding up to half of a row).
     "masks": dict(seq=[4096, 16384], head_dim=[128], dtype=["bf16"], heads=["32/8"],
-                  causal="on", window=[0, 1024, 4096], left_pad=[0.0, 0.5], batch=4,
+                  causal="on", window=[0, 1024, 4096], left_pad=[0.0, 0.5], batch=[4],
                   backends=["tiled", "sdpa_auto", "sdpa_efficient", "sdpa_cudnn"]),
 }
+
+
+# Where a preset writes, under eval/results/<gpu>/ (default sweep-<preset>).
+PRESET_FOLDERS = {"decode": "decode"}
 
 
 def sdpa_backend(name: str):
@@ -145,12 +152,10 @@ def reference(q, k, v, causal, window=0, key_mask=None):
     return out
 
 
-def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal,
-              window, left_pad, schedule, args) -> dict:
-    row = dict(backend=backend, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-               seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal, window=window,
-               left_pad=left_pad, schedule=(schedule or hta.Schedule()).label(), ms="",
-               tflops="", gpu_ms="", gpu_tflops="", max_err="", status="ok", reason="")
+def run_point(dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal, window,
+              left_pad, runs, args):
+    """Measures one shape for each ``(backend, schedule)`` in ``runs``, yielding a row each.
+    The inputs, the masks and the fp32 reference are built once per shape for all of them."""
     torch_dtype = DTYPES[dtype]
     one_set = 2 * batch * (heads_q * seq_q + 2 * heads_kv * seq_kv) * head_dim * \
         torch_dtype.itemsize
@@ -167,43 +172,49 @@ def run_point(backend, dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim,
     # Which (query, key) pairs are visible: the other backends' mask, the rows the check
     # compares and the useful work.
     visible = dense_mask(seq_q, seq_kv, causal, window, key_mask, device)
-    fn = make_call(backend, causal, schedule, window, key_mask, visible)
-    try:
-        out = fn(*sets[0])
-        if device == "cuda":
-            torch.cuda.synchronize()
-    except torch.cuda.OutOfMemoryError as exc:
-        row.update(status="oom", reason=str(exc).splitlines()[0][:160])
-        return row
-    except RuntimeError as exc:  # SDPA backends refuse shapes with a RuntimeError
-        row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
-        return row
     # Check against an fp32 reference (first batch bounded in size), on the query rows that
     # see some key (what a backend returns for the others differs: 0, NaN).
     q, k, v = (t[:1] for t in sets[0])
-    first_mask = None if key_mask is None else key_mask[:1]
-    want = reference(q, k, v, causal, window, first_mask)
+    want = reference(q, k, v, causal, window, None if key_mask is None else key_mask[:1])
     seen = visible[:1].any(-1, keepdim=True)
-    err = torch.where(seen, out[:1].float() - want, 0.0).abs().max().item()
-    row["max_err"] = f"{err:.3g}"
     bound = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-2}[dtype]
-    if not math.isfinite(err) or err > bound:
-        row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
-        return row
-    del out
-    ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
-    if window or key_mask is not None:  # useful work only: the visible (query, key) pairs
-        pairs = visible.sum().item() * batch // visible.shape[0]
-        flops = 4 * heads_q * head_dim * pairs
-    else:
-        flops = 4 * batch * heads_q * seq_q * seq_kv * head_dim
-        if causal:
-            flops /= 2
-    row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
-    if device == "cuda":
-        gpu_ms = back_to_back_ms(fn, sets, reps=max(1, args.reps // 5))
-        row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}")
-    return row
+    # Useful work: the visible (query, key) pairs; the bytes of K and V, each read once.
+    flops = 4 * heads_q * head_dim * visible.sum().item() * batch // visible.shape[0]
+    kv_bytes = 2 * batch * heads_kv * seq_kv * head_dim * torch_dtype.itemsize
+    for backend, schedule in runs:
+        row = dict(backend=backend, dtype=dtype, batch=batch, heads_q=heads_q,
+                   heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim,
+                   causal=causal, window=window, left_pad=left_pad,
+                   schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", gpu_ms="",
+                   gpu_tflops="", gpu_kv_tbs="", max_err="", status="ok", reason="")
+        fn = make_call(backend, causal, schedule, window, key_mask, visible)
+        try:
+            out = fn(*sets[0])
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError as exc:
+            row.update(status="oom", reason=str(exc).splitlines()[0][:160])
+            yield row
+            continue
+        except RuntimeError as exc:  # SDPA backends refuse shapes with a RuntimeError
+            row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
+            yield row
+            continue
+        err = torch.where(seen, out[:1].float() - want, 0.0).abs().max().item()
+        del out
+        row["max_err"] = f"{err:.3g}"
+        if not math.isfinite(err) or err > bound:
+            row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
+            yield row
+            continue
+        ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
+        row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
+        if device == "cuda":
+            gpu_ms = back_to_back_ms(fn, sets, reps=max(1, args.reps // 5))
+            row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}",
+                       gpu_kv_tbs=f"{kv_bytes / gpu_ms / 1e9:.4g}")
+            torch.cuda.empty_cache()
+        yield row
 
 
 def console_line(row: dict) -> str:
@@ -269,6 +280,50 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_decode(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Decode points (one query): the rate each backend reads K/V at, and tiled's speedup over
+    the fastest SDPA backend, against the cache length; a panel pair per (batch, heads, D)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == 1 and r["gpu_ms"]]
+    groups = sorted({(r["dtype"], r["batch"], r["heads_q"], r["heads_kv"], r["head_dim"])
+                     for r in ok})
+    if not groups:
+        return []
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 2.8 * len(groups)), squeeze=False)
+    for group, (ax_rate, ax_speed) in zip(groups, axes):
+        sel = [r for r in ok if (r["dtype"], r["batch"], r["heads_q"], r["heads_kv"],
+                                 r["head_dim"]) == group]
+        best_sdpa: dict = {}
+        for r in sel:
+            if r["backend"] != "tiled":
+                best_sdpa[r["seq_kv"]] = min(float(r["gpu_ms"]), best_sdpa.get(r["seq_kv"], 1e9))
+        for backend in BACKENDS:
+            pts = sorted((r["seq_kv"], float(r["gpu_kv_tbs"])) for r in sel
+                         if r["backend"] == backend)
+            if pts:
+                ax_rate.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+        speed = sorted((r["seq_kv"], best_sdpa[r["seq_kv"]] / float(r["gpu_ms"])) for r in sel
+                       if r["backend"] == "tiled" and r["seq_kv"] in best_sdpa)
+        ax_speed.plot([p[0] for p in speed], [p[1] for p in speed], marker="o",
+                      label="tiled vs fastest SDPA")
+        ax_speed.axhline(1.0, color="gray", lw=0.8)
+        title = "{} B={} Hq/Hkv={}/{} D={}".format(*group)
+        ax_rate.set(xscale="log", xlabel="keys", ylabel="K/V read TB/s", title=title)
+        ax_speed.set(xscale="log", xlabel="keys", ylabel="speedup (x)", title=title)
+        keys = sorted({r["seq_kv"] for r in sel})
+        for ax in (ax_rate, ax_speed):
+            ax.set_xticks(keys, [f"{k // 1024}k" if k >= 1024 else str(k) for k in keys])
+            ax.minorticks_off()
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "decode.png"
+    fig.savefig(path, dpi=70)
+    return [path]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
@@ -277,8 +332,8 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", choices=["on", "off", "both"], default="both")
     parser.add_argument("--heads", nargs="+", default=["32/8", "32/32"],
                         help="Hq/Hkv pairs, e.g. 32/8 (GQA) 32/32 (MHA)")
-    parser.add_argument("--batch", type=int, default=0,
-                        help="batch size (0: 16k tokens per batch, as in FlashAttention's bench)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[0],
+                        help="batch sizes (0: 16k tokens per batch, as in FlashAttention's bench)")
     parser.add_argument("--decode", nargs="?", const="also", choices=["also", "only"],
                         help="also run Sq=1 against each Skv (`--decode only`: just those)")
     parser.add_argument("--window", type=int, nargs="+", default=[0],
@@ -305,9 +360,11 @@ def main(argv=None) -> int:
     if preset:
         parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
-    out_dir = args.out or (results_dir() / f"sweep-{preset}" if preset else results_dir())
+    out_dir = args.out or (results_dir() / PRESET_FOLDERS.get(preset, f"sweep-{preset}")
+                           if preset else results_dir())
     if args.replot:
-        for path in plot(read_rows(out_dir / "kernel_sweep.csv"), out_dir):
+        rows = read_rows(out_dir / "kernel_sweep.csv")
+        for path in plot(rows, out_dir) + plot_decode(rows, out_dir):
             print("plot:", path)
         return 0
     if not torch.cuda.is_available():
@@ -315,7 +372,7 @@ def main(argv=None) -> int:
               "reference path). These numbers say nothing about GPU speed.")
         if argv is None:  # plain command line: shrink the default sweep to CPU sizes
             args.seq, args.head_dim, args.heads, args.dtype = [128, 256], [64], ["4/2"], ["bf16"]
-            args.reps, args.warmup, args.batch = 3, 1, 1
+            args.reps, args.warmup, args.batch = 3, 1, [1]
     if any(w < 0 for w in args.window):
         raise SystemExit(f"--window expects sizes >= 0 (0 = no window), got {args.window}")
     if any(not 0.0 <= f < 1.0 for f in args.left_pad):
@@ -330,27 +387,26 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv)
     points = []
-    for dtype, d, causal, (hq, hkv), seq, window, pad in itertools.product(
-            args.dtype, args.head_dim, causal_values, heads, args.seq, args.window,
+    for dtype, d, causal, (hq, hkv), batch, seq, window, pad in itertools.product(
+            args.dtype, args.head_dim, causal_values, heads, args.batch, args.seq, args.window,
             args.left_pad):
         if window >= seq:  # the same work as no window
             continue
-        batch = args.batch or max(1, 16384 // seq)
+        batch = batch or max(1, 16384 // seq)
         if args.decode != "only":
             points.append((dtype, batch, hq, hkv, seq, seq, d, causal, window, pad))
         if args.decode:
             points.append((dtype, batch, hq, hkv, 1, seq, d, causal, window, pad))
-    for dtype, batch, hq, hkv, sq, skv, d, causal, window, pad in points:
-        for backend in args.backends:
-            for schedule in (schedules if backend == "tiled" else [None]):
-                row = run_point(backend, dtype, batch, hq, hkv, sq, skv, d, causal, window, pad,
-                                schedule, args)
-                results.add(row)
-                print(console_line(row), flush=True)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+    runs = [(backend, schedule) for backend in args.backends
+            for schedule in (schedules if backend == "tiled" else [None])]
+    for point in points:
+        for row in run_point(*point, runs, args):
+            results.add(row)
+            print(console_line(row), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     csv_path = results.finish()
-    for path in plot(results.rows, out_dir):
+    for path in plot(results.rows, out_dir) + plot_decode(results.rows, out_dir):
         print("plot:", path)
     print("csv:", csv_path)
     print_summary(results.rows)
@@ -395,7 +451,7 @@ def profile(args, heads, causal, schedule) -> int:
     from torch.profiler import ProfilerActivity, profile as torch_profile
     hq, hkv = heads
     seq, d, dtype = args.seq[0], args.head_dim[0], DTYPES[args.dtype[0]]
-    batch = args.batch or max(1, 16384 // seq)
+    batch = args.batch[0] or max(1, 16384 // seq)
     q = torch.randn(batch, hq, seq, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, hkv, seq, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)

@@ -12,7 +12,6 @@ an out-of-memory run is recorded as `oom`. Results: eval/results/<gpu>/prefill.c
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import warnings
 from pathlib import Path
@@ -22,52 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.models import SHAPES, build_config, build_models  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
 COLUMNS = ["model", "layers", "backend", "batch", "seq", "pad_fraction", "tokens_per_s", "ms",
            "peak_gib", "status", "reason"]
-
-SHAPES = {
-    # Published shapes of the two models (hidden size, heads, kv heads, MLP, vocab, window).
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, num_attention_heads=32,
-                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                      rope_theta=500000.0, max_position_embeddings=131072),
-    "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_attention_heads=32,
-                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
-                       rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128, vocab_size=256),
-}
-
-
-def build_config(name: str, layers: int):
-    from transformers import AutoConfig
-    spec = dict(SHAPES[name])
-    model_type = spec.pop("model_type")
-    return AutoConfig.for_model(model_type, num_hidden_layers=layers, **spec)
-
-
-def build_models(args, config, dtype, device) -> dict:
-    """One model per backend, same weights, each with a deep-copied config of its own."""
-    from transformers import AutoModelForCausalLM
-    models = {}
-    state = None
-    for backend in args.backends:
-        own = copy.deepcopy(config)
-        own._attn_implementation = backend
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(own, dtype=dtype,
-                                                     attn_implementation=backend)
-        if state is None:
-            state = model.state_dict()
-        else:
-            model.load_state_dict(state)
-        assert model.config._attn_implementation == backend
-        models[backend] = model.eval()
-    assert len({id(m.config) for m in models.values()}) == len(models)
-    return models
-
 
 def make_batch(batch: int, seq: int, pad_fraction: float, vocab: int, device):
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -161,7 +120,7 @@ def main(argv=None) -> int:
         from transformers import AutoConfig
         targets.append((args.model, AutoConfig.from_pretrained(args.model)))
     for name, config in targets:
-        models = build_models(args, config, dtype, device)
+        models = build_models(args.backends, config, dtype, device)
         for batch in args.batch:
             for pad in args.pad_fraction:
                 for seq in seqs:

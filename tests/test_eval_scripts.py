@@ -66,6 +66,21 @@ def test_prefill_cpu(tmp_path):
     assert len(rows) == 6 and all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
 
 
+def test_generate_cpu(tmp_path):
+    from eval import generate_throughput
+    assert generate_throughput.main(["--new-tokens", "4", "--batch", "2", "--prompt", "24",
+                                     "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "generate.csv")
+    assert list(rows[0]) == generate_throughput.COLUMNS
+    assert {(r["backend"], r["cache"]) for r in rows} == {
+        (b, c) for b in ("tiled", "sdpa", "eager") for c in ("dynamic", "static")}
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 and float(r["ttft_ms"]) > 0
+               for r in rows)
+    assert (tmp_path / "generate.png").exists()
+    with pytest.raises(SystemExit, match="--new-tokens"):
+        generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
+
+
 def _tiny_model_with_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -153,6 +168,26 @@ def test_kernel_bench_decode_points(tmp_path, decode, seq_q):
     rows = read_csv(tmp_path / "kernel_sweep.csv")
     assert {r["seq_q"] for r in rows} == seq_q and {r["seq_kv"] for r in rows} == {"48"}
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_kernel_bench_decode_preset_on_cpu(tmp_path):
+    """The decode preset: one query, several batch sizes and head layouts, every SDPA backend;
+    its plot reads the K/V rate of rows measured on a GPU (synthetic ones here)."""
+    from eval import kernel_bench
+    assert kernel_bench.main(["--preset", "decode", "--seq", "96", "--head-dim", "32",
+                              "--batch", "1", "2", "--heads", "4/2", "4/4", "--reps", "1",
+                              "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {(r["batch"], r["heads_kv"], r["seq_q"]) for r in rows} == \
+        {("1", "2", "1"), ("2", "2", "1"), ("1", "4", "1"), ("2", "4", "1")}
+    assert {r["backend"] for r in rows} == set(kernel_bench.PRESETS["decode"]["backends"])
+    assert all(r["status"] == "ok" for r in rows if r["backend"] in ("tiled", "sdpa_auto"))
+    for i, r in enumerate(rows):
+        r.update(status="ok", gpu_ms=str(0.01 * (i + 1)), gpu_kv_tbs="1.5",
+                 **{k: int(r[k]) for k in ("batch", "heads_q", "heads_kv", "seq_q", "seq_kv",
+                                            "head_dim")})
+    assert kernel_bench.plot_decode(rows, tmp_path) == [tmp_path / "decode.png"]
+    assert (tmp_path / "decode.png").stat().st_size > 0
 
 
 def test_kernel_bench_masks_preset_on_cpu(tmp_path):

@@ -1,0 +1,186 @@
+"""Generation speed of whole models: `generate()` with `tiled` against `sdpa` and `eager`.
+
+    python eval/generate_throughput.py          # Llama-3-8B and Mistral-7B shapes, all 32 layers
+    python eval/generate_throughput.py --shapes llama3-8b --batch 1 8 --prompt 1024 --cache dynamic
+
+Models are built from configs with random weights (no download), bf16, one per backend with the
+same weights. For each (model, cache, batch, prompt length) every backend runs greedy
+`generate()` on the same random prompts, `--new-tokens` new tokens each (no early stop):
+
+* ``ttft_ms``: time to first token, the median of ``generate(max_new_tokens=1)`` (the prefill);
+* ``tokens_per_s``: new tokens per second after the first, ``batch * (new_tokens - 1)`` over the
+  median time of the full call minus the time to first token (the decode steps).
+
+``--cache static`` is ``cache_implementation="static"``: transformers compiles the decode step
+(torch.compile, CUDA graphs) on the first call, which the warm-up absorbs. ``eager`` runs only
+where its O(S^2) attention scores fit (``skipped`` otherwise); a run out of memory is ``oom``.
+Results: eval/results/<gpu>/generate/generate.csv, environment.json and generate.png. Without a
+GPU a tiny model runs through the CPU reference path (numbers say nothing about speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
+from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
+from eval.models import SHAPES, build_config, build_models  # noqa: E402
+
+BACKENDS = ["tiled", "sdpa", "eager"]
+CACHES = ["dynamic", "static"]
+COLUMNS = ["model", "layers", "backend", "cache", "batch", "prompt", "new_tokens", "ttft_ms",
+           "tokens_per_s", "peak_gib", "status", "reason"]
+# eager keeps (B, Hq, S, S) scores in bf16 and their fp32 softmax: run it only where that fits
+# in this share of the GPU's memory.
+EAGER_SCORE_SHARE = 0.4
+
+
+def timed_generate(model, ids, new_tokens: int, cache: str) -> float:
+    """Seconds of one greedy generate() call of exactly ``new_tokens`` new tokens."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                   cache_implementation=cache)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def measure(model, ids, new_tokens: int, cache: str, warmup: int,
+            reps: int) -> tuple[float, float, float]:
+    """(time to first token ms, new tokens/s after the first, peak GiB)."""
+    if ids.is_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):  # compiles the static cache's decode step, warms up the kernels
+        timed_generate(model, ids, new_tokens, cache)
+    first = statistics.median(timed_generate(model, ids, 1, cache) for _ in range(reps))
+    full = statistics.median(timed_generate(model, ids, new_tokens, cache) for _ in range(reps))
+    rate = ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else float("nan")
+    return first * 1e3, rate, peak
+
+
+def eager_fits(config, batch: int, prompt: int) -> bool:
+    if not torch.cuda.is_available():
+        return True
+    scores = batch * config.num_attention_heads * prompt * prompt * (2 + 4)
+    return scores <= EAGER_SCORE_SHARE * torch.cuda.get_device_properties(0).total_memory
+
+
+def plot(rows: list[dict], out_dir: Path) -> Path:
+    """Tokens/s and time to first token against the prompt length, a row per (model, cache,
+    batch)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    groups = sorted({(r["model"], r["cache"], r["batch"]) for r in ok})
+    fig, axes = plt.subplots(max(len(groups), 1), 2, figsize=(11, 2.8 * max(len(groups), 1)),
+                             squeeze=False)
+    on_gpu = torch.cuda.is_available()
+    for (model, cache, batch), (ax_rate, ax_ttft) in zip(groups, axes):
+        sel = [r for r in ok if (r["model"], r["cache"], r["batch"]) == (model, cache, batch)]
+        for backend in BACKENDS:
+            pts = sorted((r["prompt"], float(r["tokens_per_s"]), float(r["ttft_ms"]))
+                         for r in sel if r["backend"] == backend)
+            if pts:
+                ax_rate.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+                ax_ttft.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=backend)
+        title = f"{model} {cache} cache, batch {batch}"
+        if not on_gpu:
+            title += " (CPU: not a speed measurement)"
+        prompts = sorted({r["prompt"] for r in sel})
+        for ax, ylabel in ((ax_rate, "new tokens/s"), (ax_ttft, "time to first token (ms)")):
+            ax.set(xscale="log", xlabel="prompt tokens", ylabel=ylabel, title=title)
+            ax.set_xticks(prompts, [str(p) for p in prompts])
+            ax.minorticks_off()
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "generate.png"
+    fig.savefig(path, dpi=70)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the config-built models (default: all 32; 2 on a CPU)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt", type=int, nargs="+", default=None, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--cache", nargs="+", default=CACHES, choices=CACHES)
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit(f"--new-tokens must be at least 2 (the rate is taken after the first "
+                         f"token), got {args.new_tokens}")
+    if min(args.batch or [1]) < 1 or min(args.prompt or [1]) < 1:
+        raise SystemExit("--batch and --prompt take positive sizes")
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu:
+        print("generate: no CUDA GPU here; running a tiny model through the CPU reference path "
+              "(numbers say nothing about GPU speed).")
+    shapes = args.shapes or (["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
+    batches = args.batch or ([1, 8, 32] if on_gpu else [1, 2])
+    prompts = args.prompt or ([1024, 8192, 32768] if on_gpu else [32, 64])
+    layers = args.layers or (32 if on_gpu else 2)
+    warnings.simplefilter("ignore")
+    out_dir = args.out or results_dir() / "generate"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = ResultsWriter(out_dir, "generate", COLUMNS, sys.argv)
+    points = [(shape, cache, batch, prompt) for shape in shapes for cache in args.cache
+              for batch in batches for prompt in prompts]
+    models, built = None, None
+    for shape, cache, batch, prompt in progress(points, desc="generate"):
+        if built != shape:
+            models = None  # free the previous shape's weights first
+            if on_gpu:
+                torch.cuda.empty_cache()
+            config = build_config(shape, layers)
+            models, built = build_models(args.backends, config, dtype, device), shape
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(3, config.vocab_size, (batch, prompt), generator=gen).to(device)
+        for backend, model in models.items():
+            row = dict(model=shape, layers=layers, backend=backend, cache=cache, batch=batch,
+                       prompt=prompt, new_tokens=args.new_tokens, ttft_ms="", tokens_per_s="",
+                       peak_gib="", status="ok", reason="")
+            if backend == "eager" and not eager_fits(config, batch, prompt):
+                row.update(status="skipped", reason="eager's O(S^2) attention scores do not fit")
+            else:
+                try:
+                    ttft, rate, peak = measure(model, ids, args.new_tokens, cache, args.warmup,
+                                               args.reps)
+                    row.update(ttft_ms=f"{ttft:.1f}", tokens_per_s=f"{rate:.1f}",
+                               peak_gib=f"{peak:.2f}" if on_gpu else "")
+                except torch.cuda.OutOfMemoryError as exc:
+                    row.update(status="oom", reason=str(exc).splitlines()[0][:120])
+                if on_gpu:
+                    torch.cuda.empty_cache()
+            results.add(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
+    csv_path = results.finish(extra={"dtype": str(dtype)})
+    print(f"csv: {csv_path}\nplot: {plot(results.rows, out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
