@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     class Layer(torch.nn.Module):  # what the attention functions read off a model's layer
         is_causal = True
         config = None
+        num_key_value_groups = hq // hkv
 
     layer = Layer().eval()
     causal_sdpa = seq_q > 1  # SDPA's is_causal is top-left aligned; one query sees every key

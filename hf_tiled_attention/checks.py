@@ -13,7 +13,28 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
+# Input signatures (shapes, dtypes, devices) already checked: a decode step's 32 layers, and a
+# model's next forward, repeat them, and the checks cost more host time than a short kernel.
+_checked: set = set()
+_MAX_CHECKED = 4096
+
+
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    # Plain tensors only: a subclass (DTensor, a traced tensor) always takes the full checks.
+    plain = type(query) is type(key) is type(value) is torch.Tensor
+    if plain:
+        signature = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+                     query.device, key.device, value.device)
+        if signature in _checked:
+            return
+    _check_inputs(query, key, value)
+    if plain:
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        _checked.add(signature)
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")

@@ -57,7 +57,7 @@ def attention_forward(
     diag_offset: int,        # query row i sits at key position i + diag_offset
     window: int,
     kv_splits: int,          # >1: block (m, split) covers one slice of the key tiles and writes
-                             # fp32 partial output + LSE at batch index split * B + b
+                             # its fp32 partial output + LSE at [split, b * heads + head]
     GROUP: ConstInt,         # query heads per key/value head (1 when G_TILE > 1: Q is per kv head)
     G_TILE: ConstInt,        # 1, or decode: a kv head's query heads as rows, padded to a power of 2
     TILE_M: ConstInt,
@@ -190,15 +190,21 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     # acc NaN, and that NaN must reach the output, as in eager attention.
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)   # one division per row, not per output element
-    out_batch = batch + split * batches
-    store_rows(Out, out_batch, head, m_tile, 0, ct.where(empty, 0.0, acc * inv_l), ROWS, G_TILE,
+    # Out and Lse are (B, heads, ...), or with split keys the slices' partial results
+    # (kv_splits, B * heads, ...) that merge.py reads.
+    out_0 = batch
+    out_1 = head
+    if kv_splits > 1:
+        out_0 = split
+        out_1 = batch * Q.shape[1] + head
+    store_rows(Out, out_0, out_1, m_tile, 0, ct.where(empty, 0.0, acc * inv_l), ROWS, G_TILE,
                TILE_D)
     if TAIL_D != 0:
-        store_rows(Out, out_batch, head, m_tile, TILE_D // TAIL_D,
+        store_rows(Out, out_0, out_1, m_tile, TILE_D // TAIL_D,
                    ct.where(empty, 0.0, acc_tail * inv_l), ROWS, G_TILE, TAIL_D)
     if WRITE_LSE:
         lse = ct.where(empty, -math.inf, m_i / SCORE_UNIT + ct.log(ct.where(empty, 1.0, l_i)))
-        store_lse(Lse, out_batch, head, m_tile, lse, ROWS, G_TILE)
+        store_lse(Lse, out_0, out_1, m_tile, lse, ROWS, G_TILE)
 
 
 def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, batch, kv_head,

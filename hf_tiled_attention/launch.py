@@ -23,10 +23,16 @@ LOG2E = 1.0 / math.log(2.0)
 # A packed tile has at least the warpgroup MMA's 64 rows (fewer real rows are zero padding: decode
 # is bound by reading K/V, not by the MMA) and at most two warpgroups' 128.
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 64, 128
-# Key splits (Schedule.kv_splits = 0): each split streams at least this many key tiles.
+# A packed tile holds at most this many query heads of a group (MQA's 32 or more heads take
+# several tiles, each reading the K/V tiles).
+PACKED_MAX_GROUP = 16
+# Key splits (Schedule.kv_splits = 0): each split streams at least this many key tiles, and
+# there are at most MAX_SPLITS.
 MIN_TILES_PER_SPLIT = 2
-# The merge holds at most this many fp32 output values per block at a time.
+MAX_SPLITS = 64
+# The merge reads at most this many fp32 partial outputs per load.
 MERGE_TILE_ELEMENTS = 8192
+MERGE_CHUNK_D = 64
 
 
 class KernelConstants(NamedTuple):
@@ -59,6 +65,7 @@ class MergeConstants(NamedTuple):
     """merge.merge_splits's Constant parameters, in its order."""
     G_TILE: int
     ROWS: int
+    SPLIT_TILE: int
     CHUNK_D: int
     D_CHUNKS: int
     WRITE_LSE: bool
@@ -129,10 +136,12 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
         tile_m = schedule.tile_m
     rows = tile_m // g_tile
     m_tiles = math.ceil(seq_q / rows)
-    heads_grid = heads_kv if g_tile > 1 else heads_q
+    pack = min(group, g_tile)  # query heads per tile row group
+    heads_grid = heads_q // pack
     visible = seq_kv if window is None else min(seq_kv, (1 if causal else 2) * window + rows)
     splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
-                        math.ceil(visible / schedule.tile_n), sm_count)
+                        math.ceil(visible / schedule.tile_n), sm_count,
+                        compiler_hints(schedule, g_tile, tile_m)[1])
     mask_layout = None if mask is None else (
         mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row,
         bool(mask.headed or mask.per_row or key_mask_table))
@@ -144,11 +153,15 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     if schedule.persistent:  # about one wave of blocks; each loops over the tiles
         blocks = math.prod(grid)
         grid = (min(blocks, sm_count * schedule.occupancy) if sm_count else blocks, 1, 1)
-    merge = merge_constants(g_tile, rows, head_dim, bool(return_lse)) if splits > 1 else None
+    merge, merge_grid = None, (0, 0, 0)
+    if splits > 1:
+        merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
+                                bool(return_lse))
+        merge_grid = (math.ceil(seq_q / merge.ROWS) * merge.D_CHUNKS, heads_grid, batch)
     return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
                       window=int(window or 0), kv_splits=splits, return_lse=bool(return_lse),
-                      merge=merge, merge_grid=(m_tiles, heads_grid, batch),
-                      views=buffer_views(batch, heads_q, heads_kv, seq_q, head_dim, g_tile,
+                      merge=merge, merge_grid=merge_grid,
+                      views=buffer_views(batch, heads_q, heads_grid, seq_q, head_dim, g_tile,
                                          splits))
 
 
@@ -156,27 +169,31 @@ def packed_group_tile(schedule: Schedule, seq_q: int, group: int,
                       mask: Optional[CompactMask]) -> int:
     """1, or for a short query with GQA/MQA (``Schedule.pack_gqa``) the group size rounded up to
     a power of two: the tile's rows are then the group's query heads at a few positions, and
-    each K/V tile is read once per group. A mask with a head or a row dim keeps one head per
-    tile."""
+    each K/V tile is read once per group. A group of more than PACKED_MAX_GROUP heads is packed
+    by that many when it divides the group (MQA's 32 heads: two tiles per K/V head), else not
+    at all. A mask with a head or a row dim keeps one head per tile."""
     if (not schedule.pack_gqa or seq_q > DECODE_QUERY_ROWS or group == 1
             or (mask is not None and (mask.headed or mask.per_row))):
         return 1
-    g_tile = _next_power_of_two(group)
-    return g_tile if g_tile <= PACKED_MAX_ROWS else 1
+    if group > PACKED_MAX_GROUP:
+        return PACKED_MAX_GROUP if group % PACKED_MAX_GROUP == 0 else 1
+    return _next_power_of_two(group)
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int) -> int:
+def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
+               occupancy: int) -> int:
     if schedule.kv_splits:
         return schedule.kv_splits
-    slots = sm_count * schedule.occupancy
     if not sm_count or blocks >= sm_count:
         return 1
-    # One full wave of blocks, each streaming at least MIN_TILES_PER_SPLIT key tiles.
-    return max(1, min(math.ceil(slots / blocks), key_tiles // MIN_TILES_PER_SPLIT))
+    # At most one wave of blocks (a second, partial one would run alone at the end), each
+    # streaming at least MIN_TILES_PER_SPLIT key tiles.
+    slots = sm_count * occupancy
+    return max(1, min(slots // blocks, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -193,14 +210,11 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         score_scale, softcap_out = scale / softcap, softcap * score_unit
     else:
         score_scale, softcap_out = scale * score_unit, 0.0
-    num_worker_warps, occupancy = schedule.num_worker_warps, schedule.occupancy
-    if g_tile > 1 and tile_m > PACKED_MIN_ROWS:  # two warpgroups share the registers of an SM
-        num_worker_warps, occupancy = 8, 1
-    elif g_tile > 1:
-        num_worker_warps = 4
+    num_worker_warps, occupancy = compiler_hints(schedule, g_tile, tile_m)
     tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
     constants = KernelConstants(
-        GROUP=1 if g_tile > 1 else group, G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
+        # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
+        GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
         TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
         SOFTCAP=softcap is not None, MASK_KIND=mask_kind, MASK_BATCHED=batched,
         MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
@@ -215,12 +229,25 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         score_scale=float(score_scale), softcap_out=float(softcap_out))
 
 
+def compiler_hints(schedule: Schedule, g_tile: int, tile_m: int) -> tuple[Optional[int], int]:
+    """(num_worker_warps, occupancy): the schedule's, except for packed tiles, which get one
+    warpgroup per 64 rows (a 128-row tile's two warpgroups take an SM's registers)."""
+    if g_tile > 1:
+        return (4, schedule.occupancy) if tile_m <= PACKED_MIN_ROWS else (8, 1)
+    return schedule.num_worker_warps, schedule.occupancy
+
+
 @functools.lru_cache(maxsize=256)
-def merge_constants(g_tile: int, rows: int, head_dim: int, write_lse: bool) -> MergeConstants:
+def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
+                    write_lse: bool) -> MergeConstants:
+    """The merge's tiling: ``rows`` query positions x ``g_tile`` heads per block, CHUNK_D
+    columns (a block per chunk), and as many slices per load as MERGE_TILE_ELEMENTS allows."""
     width = max(16, _next_power_of_two(head_dim))
-    chunk = min(width, MERGE_TILE_ELEMENTS // (rows * g_tile))
-    return MergeConstants(G_TILE=g_tile, ROWS=rows, CHUNK_D=chunk, D_CHUNKS=width // chunk,
-                          WRITE_LSE=write_lse)
+    chunk = min(width, MERGE_CHUNK_D)
+    split_tile = min(_next_power_of_two(splits),
+                     max(1, MERGE_TILE_ELEMENTS // (rows * g_tile * chunk)))
+    return MergeConstants(G_TILE=g_tile, ROWS=rows, SPLIT_TILE=split_tile, CHUNK_D=chunk,
+                          D_CHUNKS=width // chunk, WRITE_LSE=write_lse)
 
 
 def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
@@ -274,9 +301,10 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 class BufferViews(NamedTuple):
     """How a launch views its own buffers, worked out once per plan (per-call host time):
-    ``(shape, strides)`` of the packed ``(B, Hkv, Sq, group, ...)`` views of the output and the
-    LSE (None unless packed), and of the key splits' LSEs and outputs in one fp32 workspace of
-    ``workspace`` elements (outputs from ``part_offset``; None unless split)."""
+    ``(shape, strides)`` of the packed ``(B, heads, Sq, pack, ...)`` views of the output and the
+    LSE (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
+    one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``; None unless
+    split)."""
     out_rows: Optional[tuple]
     lse_rows: Optional[tuple]
     part_lse: Optional[tuple]
@@ -286,19 +314,19 @@ class BufferViews(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def buffer_views(batch: int, heads_q: int, heads_kv: int, seq_q: int, head_dim: int,
+def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
                  g_tile: int, splits: int) -> BufferViews:
     out_rows = lse_rows = part_lse = part_out = None
     rows_shape = (heads_q, seq_q, head_dim)
     if g_tile > 1:
-        group = heads_q // heads_kv
-        rows_shape = (heads_kv, seq_q, group, head_dim)
-        out_rows = ((batch,) + rows_shape, (heads_q * seq_q * head_dim, group * seq_q * head_dim,
+        pack = heads_q // heads_grid
+        rows_shape = (heads_grid, seq_q, pack, head_dim)
+        out_rows = ((batch,) + rows_shape, (heads_q * seq_q * head_dim, pack * seq_q * head_dim,
                                             head_dim, seq_q * head_dim, 1))
-        lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, group * seq_q, 1, seq_q))
+        lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, pack * seq_q, 1, seq_q))
     offset = workspace = 0
-    if splits > 1:
-        out_shape = (splits * batch,) + rows_shape
+    if splits > 1:  # (splits, B * heads, ...): a slice's rows for all heads and batch rows
+        out_shape = (splits, batch * rows_shape[0]) + rows_shape[1:]
         lse_size = math.prod(out_shape[:-1])
         offset = -(-lse_size // 4) * 4  # 16-byte aligned
         workspace = offset + lse_size * head_dim
@@ -321,14 +349,14 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     variant, views = plan.variant, plan.views
     device = query.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = (torch.empty(query.shape[:3], dtype=torch.float32, device=device)
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.out_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        group = views.out_rows[0][3]
+        pack = views.out_rows[0][3]
         stride = query.stride()
-        q_rows = query.as_strided(views.out_rows[0], (stride[0], group * stride[1], stride[2],
+        q_rows = query.as_strided(views.out_rows[0], (stride[0], pack * stride[1], stride[2],
                                                       stride[1], stride[3]),
                                   query.storage_offset())
         out_rows = out.as_strided(*views.out_rows)
@@ -364,7 +392,8 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
 
     arrays = launch_arrays(plan, query, key, value, mask)
     device = query.device
-    stream = torch.cuda.current_stream(device)
+    # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
 
     def launch():
         ct.launch(stream, plan.grid, plan_kernel(plan),

@@ -2,21 +2,24 @@
 
 When a call's keys are split over several blocks (``kv_splits`` > 1: decode, or any call with
 too few query tiles to fill the GPU), each block writes its slice's fp32 partial output ``O_s``
-and natural-log LSE ``lse_s``. One block per output tile (the attention kernel's grid without
-the splits) combines them on the GPU:
+and natural-log LSE ``lse_s``. This kernel combines them on the GPU:
 
     lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * O_s
 
 Rows no slice saw (every ``lse_s`` is -inf) get 0 and -inf; a NaN in any slice reaches the row.
-The arrays have the attention kernel's layouts (see kernel.py): ``(S * B, H, Sq, D)``, or with
-``G_TILE`` > 1 ``(S * B, Hkv, Sq, group, D)``, slice ``s`` of batch row ``b`` at ``s * B + b``.
+The partial results are ``(S, B * H, Sq, D)``, or with ``G_TILE`` > 1 ``(S, B * Hkv, Sq, group,
+D)`` (see kernel.py); the output has the attention kernel's layout without the split dim.
+
+One block merges ``ROWS`` query positions x ``G_TILE`` heads x ``CHUNK_D`` columns (grid: row
+tiles x head-dim chunks, heads, batch) and reads ``SPLIT_TILE`` slices per load, so a decode
+step's 30-60 slices take a load or two rather than a chain of one latency per slice.
 """
 
 import math
 
 import cuda.tile as ct
 
-from .tile_rows import load_lse, load_rows, store_lse, store_rows
+from .tile_rows import store_lse, store_rows
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -26,39 +29,61 @@ ConstBool = ct.Constant[bool]
 def merge_splits(
     PartOut, PartLse, Out, Lse,
     splits: int,
-    G_TILE: ConstInt,     # 1, or the packed query heads per row group (kernel.py)
-    ROWS: ConstInt,       # query positions per tile
-    CHUNK_D: ConstInt,    # head-dim columns merged at a time (a power of two)
-    D_CHUNKS: ConstInt,   # CHUNK_D * D_CHUNKS >= the head dim
+    G_TILE: ConstInt,      # 1, or the packed query heads per position (kernel.py)
+    ROWS: ConstInt,        # query positions per tile
+    SPLIT_TILE: ConstInt,  # slices read per load
+    CHUNK_D: ConstInt,     # head-dim columns per block
+    D_CHUNKS: ConstInt,    # CHUNK_D * D_CHUNKS >= the head dim
     WRITE_LSE: ConstBool,
 ):
-    m_tile = ct.bid(0)
+    m_tile = ct.bid(0) // D_CHUNKS
+    chunk = ct.bid(0) % D_CHUNKS
     head = ct.bid(1)
     batch = ct.bid(2)
-    batches = ct.num_blocks(2)
+    part_row = batch * ct.num_blocks(1) + head
     TILE_M = ROWS * G_TILE
 
-    # The largest slice LSE and the sum of the slices' weights relative to it.
-    top = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
-    total = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-    for s in range(splits):
-        lse_s = load_lse(PartLse, batch + s * batches, head, m_tile, ROWS, G_TILE)
-        new_top = max(top, lse_s)
+    top = ct.full((1, TILE_M), -math.inf, dtype=ct.float32)   # largest slice LSE so far
+    total = ct.full((1, TILE_M), 0.0, dtype=ct.float32)       # sum of weights relative to it
+    acc = ct.full((TILE_M, CHUNK_D), 0.0, dtype=ct.float32)
+    for slab in range(ct.cdiv(splits, SPLIT_TILE)):
+        lse = _load_slices(PartLse, slab, part_row, m_tile, 0, ROWS, G_TILE, SPLIT_TILE, 0,
+                           ct.PaddingMode.NEG_INF).reshape((SPLIT_TILE, TILE_M))
+        new_top = max(top, ct.max(lse, axis=0, keepdims=True))
         shift = ct.where(new_top == -math.inf, 0.0, new_top)  # rows no slice saw yet
-        total = total * ct.exp(top - shift) + ct.exp(lse_s - shift)
+        alpha = ct.exp(top - shift)
+        weight = ct.exp(lse - shift)                           # (SPLIT_TILE, TILE_M)
+        total = total * alpha + ct.sum(weight, axis=0, keepdims=True)
+        parts = _load_slices(PartOut, slab, part_row, m_tile, chunk, ROWS, G_TILE, SPLIT_TILE,
+                             CHUNK_D, ct.PaddingMode.ZERO).reshape((SPLIT_TILE, TILE_M, CHUNK_D))
+        acc = (acc * alpha.reshape((TILE_M, 1))
+               + ct.sum(parts * weight.reshape((SPLIT_TILE, TILE_M, 1)), axis=0))
         top = new_top
-    shift = ct.where(top == -math.inf, 0.0, top)
-    empty = total == 0.0
-    inv_total = 1.0 / ct.where(empty, 1.0, total)
 
-    for c in range(D_CHUNKS):
-        acc = ct.full((TILE_M, CHUNK_D), 0.0, dtype=ct.float32)
-        for s in range(splits):
-            slot = batch + s * batches
-            weight = ct.exp(load_lse(PartLse, slot, head, m_tile, ROWS, G_TILE) - shift)
-            acc = acc + weight * load_rows(PartOut, slot, head, m_tile, c, ROWS, G_TILE, CHUNK_D)
-        store_rows(Out, batch, head, m_tile, c, ct.where(empty, 0.0, acc * inv_total), ROWS,
-                   G_TILE, CHUNK_D)
-    if WRITE_LSE:
-        lse = ct.where(empty, -math.inf, top + ct.log(ct.where(empty, 1.0, total)))
+    empty = (total == 0.0).reshape((TILE_M, 1))
+    total = total.reshape((TILE_M, 1))
+    inv_total = 1.0 / ct.where(empty, 1.0, total)
+    store_rows(Out, batch, head, m_tile, chunk, ct.where(empty, 0.0, acc * inv_total), ROWS,
+               G_TILE, CHUNK_D)
+    if WRITE_LSE and chunk == 0:
+        shift = ct.where(top == -math.inf, 0.0, top).reshape((TILE_M, 1))
+        lse = ct.where(empty, -math.inf, shift + ct.log(ct.where(empty, 1.0, total)))
         store_lse(Lse, batch, head, m_tile, lse, ROWS, G_TILE)
+
+
+def _load_slices(Part, slab, part_row, m_tile, chunk, ROWS, G_TILE, SPLIT_TILE, CHUNK_D,
+                 padding):
+    """``SPLIT_TILE`` slices of one tile's rows (and, when CHUNK_D > 0, one column chunk) of the
+    partial LSE (CHUNK_D 0) or output arrays; slices past the last read as ``padding``."""
+    if CHUNK_D == 0:
+        if G_TILE > 1:
+            return ct.load(Part, index=(slab, part_row, m_tile, 0),
+                           shape=(SPLIT_TILE, 1, ROWS, G_TILE), padding_mode=padding,
+                           allow_tma=False)
+        return ct.load(Part, index=(slab, part_row, m_tile), shape=(SPLIT_TILE, 1, ROWS),
+                       padding_mode=padding, allow_tma=False)
+    if G_TILE > 1:
+        return ct.load(Part, index=(slab, part_row, m_tile, 0, chunk),
+                       shape=(SPLIT_TILE, 1, ROWS, G_TILE, CHUNK_D), padding_mode=padding)
+    return ct.load(Part, index=(slab, part_row, m_tile, chunk),
+                   shape=(SPLIT_TILE, 1, ROWS, CHUNK_D), padding_mode=padding)

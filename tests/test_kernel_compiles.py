@@ -84,6 +84,8 @@ SM90_ONLY = [
     pytest.param(torch.float16, 64, dict(DECODE, heads_kv=32, mask=None), id="fp16-d64-decode-mha"),
     pytest.param(torch.float16, 256, dict(DECODE, heads_kv=1, mask="additive_keys", window=300),
                  id="fp16-d256-decode-mqa-additive-window"),
+    pytest.param(torch.bfloat16, 64, dict(DECODE, seq_q=3, heads_q=12, heads_kv=4),
+                 id="bf16-d64-decode3-group3"),   # a group of 3 heads in a tile of 4
     pytest.param(torch.float32, 64, DECODE, id="fp32-d64-decode"),
 ]
 def _cases():
@@ -123,12 +125,19 @@ def test_decode_plan_packs_rows_and_splits_keys():
     # fill 132 SMs x 2, but 8 key tiles of 128 make at most 4 splits of 2 tiles
     assert plan.variant.g_tile == 4 and plan.variant.tile_m == 64
     assert plan.kv_splits == 4 and plan.grid == (4, 8, 2)
-    assert plan.merge is not None and plan.merge_grid == (1, 8, 2)
+    # the merge: one position x 4 heads per block, two 64-column chunks, all 4 slices at once
+    assert (plan.merge.ROWS, plan.merge.G_TILE, plan.merge.SPLIT_TILE, plan.merge.CHUNK_D) == \
+        (1, 4, 4, 64) and plan.merge_grid == (2, 8, 2)
     headed, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask="additive_heads"))
     assert headed.variant.g_tile == 1  # a per-head mask keeps one head per block
     wide, _ = _plan(torch.bfloat16, 128, **dict(DECODE, seq_q=16, heads_kv=4))
     assert (wide.variant.g_tile, wide.variant.tile_m, wide.variant.num_worker_warps,
             wide.variant.occupancy) == (8, 128, 8, 1)
+    # MQA: 32 query heads of one kv head as two tiles of 16 (grid heads 2 per kv head)
+    mqa, _ = _plan(torch.bfloat16, 128, **dict(DECODE, heads_kv=1, mask=None))
+    assert (mqa.variant.g_tile, mqa.variant.constants.GROUP, mqa.grid[1]) == (16, 2, 2)
+    odd, _ = _plan(torch.bfloat16, 128, **dict(DECODE, heads_q=24, heads_kv=1, mask=None))
+    assert odd.variant.g_tile == 1  # 24 heads: 16 does not divide them, not packed
 
 
 def test_decode_splits_fill_the_gpu():
@@ -138,6 +147,7 @@ def test_decode_splits_fill_the_gpu():
     long = plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
                        diag_offset=131071, schedule=schedule, return_lse=False, sm_count=132)
     assert long.kv_splits == 33 and long.grid == (33, 8, 1)   # one wave of 264 blocks
+    assert long.merge.SPLIT_TILE == 32   # 33 slices in two loads
     big_batch = plan_launch(q.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1), None,
                             causal=True, scale=0.1, window=None, softcap=None,
                             diag_offset=131071, schedule=schedule, return_lse=False,
