@@ -20,8 +20,10 @@ _MAX_CHECKED = 4096
 
 
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    # Plain tensors only: a subclass (DTensor, a traced tensor) always takes the full checks.
-    plain = type(query) is type(key) is type(value) is torch.Tensor
+    # Plain tensors in eager code only: a subclass (DTensor) always takes the full checks, and
+    # traced code too (dynamo would guard on the set and recompile when it grows).
+    plain = (type(query) is type(key) is type(value) is torch.Tensor
+             and not torch.compiler.is_compiling())
     if plain:
         signature = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
                      query.device, key.device, value.device)
