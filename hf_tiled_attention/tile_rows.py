@@ -33,8 +33,7 @@ def store_rows(Out, batch, head, m_tile, column, tile, ROWS, G_TILE, WIDTH):
 
 def store_lse(Lse, batch, head, m_tile, lse, ROWS, G_TILE):
     """Stores a ``(ROWS * G_TILE, 1)`` LSE column: ``(1, 1, ROWS[, G_TILE])`` of the Lse array.
-    Plain stores, not TMA: a few bytes per tile (and a 128-byte fp32 box of a 32-head group
-    faulted on the H200)."""
+    Plain stores, not TMA: a few bytes per tile."""
     if G_TILE > 1:
         ct.store(Lse, index=(batch, head, m_tile, 0), tile=lse.reshape((1, 1, ROWS, G_TILE)),
                  allow_tma=False)

@@ -86,6 +86,9 @@ SM90_ONLY = [
                  id="fp16-d256-decode-mqa-additive-window"),
     pytest.param(torch.bfloat16, 64, dict(DECODE, seq_q=3, heads_q=12, heads_kv=4),
                  id="bf16-d64-decode3-group3"),   # a group of 3 heads in a tile of 4
+    # a short prefill with its keys split three ways: the merge takes 16-row tiles
+    pytest.param(torch.bfloat16, 64, dict(seq_q=96, schedule=Schedule(kv_splits=3)),
+                 id="bf16-d64-prefill96-split3"),
     pytest.param(torch.float32, 64, DECODE, id="fp32-d64-decode"),
 ]
 def _cases():
