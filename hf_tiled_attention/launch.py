@@ -33,8 +33,7 @@ MAX_SPLITS = 64
 # The merge reads at most this many fp32 partial outputs per load.
 MERGE_TILE_ELEMENTS = 8192
 MERGE_CHUNK_D = 64
-# Query positions per merge block: 64-row merge tiles faulted (misaligned address) on the H200
-# where 1-16 rows ran right (perf-notes step 18), and a short query has few rows anyway.
+# Query positions per merge block (queries that split their keys have at most 16 rows).
 MERGE_MAX_ROWS = 16
 
 
@@ -142,9 +141,11 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     pack = min(group, g_tile)  # query heads per tile row group
     heads_grid = heads_q // pack
     visible = seq_kv if window is None else min(seq_kv, (1 if causal else 2) * window + rows)
-    splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
-                        math.ceil(visible / schedule.tile_n), sm_count,
-                        compiler_hints(schedule, g_tile, tile_m)[1])
+    splits = 1
+    if seq_q <= DECODE_QUERY_ROWS:  # key splits serve short queries only (Schedule.kv_splits)
+        splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
+                            math.ceil(visible / schedule.tile_n), sm_count,
+                            compiler_hints(schedule, g_tile, tile_m)[1])
     mask_layout = None if mask is None else (
         mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row,
         bool(mask.headed or mask.per_row or key_mask_table))

@@ -37,10 +37,12 @@ class Schedule:
         v_latency: load latency hint for V tiles.
         heavy_first: with causal masking, launch the query tiles with the most keys first.
         kv_splits: blocks that share one query tile's keys, merged afterwards by their LSE
-            (1 = never; 0 = automatic: split only when the query tiles cannot fill the GPU,
-            as in decode).
-        pack_gqa: decode (one query) with GQA: one block per kv head whose tile rows are the
-            group's query heads, so K/V are read once per group (16-row tiles).
+            (1 = never; 0 = automatic: split only when the query tiles cannot fill the GPU).
+            Applies to queries of at most DECODE_QUERY_ROWS (16) rows; longer ones never split
+            (their merge faulted on the H200 for some shapes; perf-notes step 18).
+        pack_gqa: short queries (at most 16 rows, decode) with GQA/MQA: a tile's rows are the
+            query heads of one kv head (up to 16 of them) at a few positions, 64 or 128 rows,
+            so K/V are read once per group and the MMA stays the warpgroup MMA.
         split_head_dim: a head dim that is a power of two plus a smaller one (80 = 64 + 16,
             96 = 64 + 32, 160 = 128 + 32) runs as two tiles instead of one zero-padded to the
             next power of two (which does 1.6x the MMA work at 80). Other head dims are padded.

@@ -86,9 +86,10 @@ SM90_ONLY = [
                  id="fp16-d256-decode-mqa-additive-window"),
     pytest.param(torch.bfloat16, 64, dict(DECODE, seq_q=3, heads_q=12, heads_kv=4),
                  id="bf16-d64-decode3-group3"),   # a group of 3 heads in a tile of 4
-    # a short prefill with its keys split three ways: the merge takes 16-row tiles
-    pytest.param(torch.bfloat16, 64, dict(seq_q=96, schedule=Schedule(kv_splits=3)),
-                 id="bf16-d64-prefill96-split3"),
+    # 16 queries of one head (no packing) with their keys split three ways
+    pytest.param(torch.bfloat16, 64, dict(DECODE, seq_q=16, heads_kv=32,
+                                          schedule=Schedule(kv_splits=3)),
+                 id="bf16-d64-decode16-mha-split3"),
     pytest.param(torch.float32, 64, DECODE, id="fp32-d64-decode"),
 ]
 def _cases():
@@ -179,9 +180,10 @@ def test_head_dim_split_reaches_the_kernel():
 
 
 def test_prefill_plan_does_not_split():
-    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=Schedule(pack_gqa=True,
-                                                                         kv_splits=0))
-    assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None
+    for splits in (0, 3):  # automatic or asked for: queries of more than 16 rows never split
+        plan, _ = _plan(torch.bfloat16, 128, sm_count=132, seq_q=17,
+                        schedule=Schedule(pack_gqa=True, kv_splits=splits))
+        assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None
 
 
 def test_decode_packing_can_be_turned_off():
