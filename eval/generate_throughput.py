@@ -21,6 +21,7 @@ GPU a tiny model runs through the CPU reference path (numbers say nothing about 
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
 import sys
 import time
@@ -90,7 +91,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     groups = sorted({(r["model"], r["cache"], r["batch"]) for r in ok})
     fig, axes = plt.subplots(max(len(groups), 1), 2, figsize=(11, 2.8 * max(len(groups), 1)),
                              squeeze=False)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = any(r["peak_gib"] for r in ok)
     for (model, cache, batch), (ax_rate, ax_ttft) in zip(groups, axes):
         sel = [r for r in ok if (r["model"], r["cache"], r["batch"]) == (model, cache, batch)]
         for backend in BACKENDS:
@@ -127,7 +128,16 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the plot from the --out folder's generate.csv")
     args = parser.parse_args(argv)
+    if args.replot:
+        folder = args.out or results_dir() / "generate"
+        with open(folder / "generate.csv") as f:
+            rows = [{**r, "batch": int(r["batch"]), "prompt": int(r["prompt"])}
+                    for r in csv.DictReader(f)]
+        print(f"plot: {plot(rows, folder)}")
+        return 0
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be at least 2 (the rate is taken after the first "
                          f"token), got {args.new_tokens}")

@@ -281,46 +281,46 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def plot_decode(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Decode points (one query): the rate each backend reads K/V at, and tiled's speedup over
-    the fastest SDPA backend, against the cache length; a panel pair per (batch, heads, D)."""
+    """Decode points (one query): the rate K/V are read at by tiled (solid) and by the fastest
+    SDPA backend of each point (dashed) against the cache length, a line pair per batch size,
+    a panel per (dtype, heads, D)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == 1 and r["gpu_ms"]]
-    groups = sorted({(r["dtype"], r["batch"], r["heads_q"], r["heads_kv"], r["head_dim"])
-                     for r in ok})
+    groups = sorted({(r["dtype"], r["heads_q"], r["heads_kv"], r["head_dim"]) for r in ok})
     if not groups:
         return []
-    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 2.8 * len(groups)), squeeze=False)
-    for group, (ax_rate, ax_speed) in zip(groups, axes):
-        sel = [r for r in ok if (r["dtype"], r["batch"], r["heads_q"], r["heads_kv"],
-                                 r["head_dim"]) == group]
-        best_sdpa: dict = {}
-        for r in sel:
-            if r["backend"] != "tiled":
-                best_sdpa[r["seq_kv"]] = min(float(r["gpu_ms"]), best_sdpa.get(r["seq_kv"], 1e9))
-        for backend in BACKENDS:
-            pts = sorted((r["seq_kv"], float(r["gpu_kv_tbs"])) for r in sel
-                         if r["backend"] == backend)
-            if pts:
-                ax_rate.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
-        speed = sorted((r["seq_kv"], best_sdpa[r["seq_kv"]] / float(r["gpu_ms"])) for r in sel
-                       if r["backend"] == "tiled" and r["seq_kv"] in best_sdpa)
-        ax_speed.plot([p[0] for p in speed], [p[1] for p in speed], marker="o",
-                      label="tiled vs fastest SDPA")
-        ax_speed.axhline(1.0, color="gray", lw=0.8)
-        title = "{} B={} Hq/Hkv={}/{} D={}".format(*group)
-        ax_rate.set(xscale="log", xlabel="keys", ylabel="K/V read TB/s", title=title)
-        ax_speed.set(xscale="log", xlabel="keys", ylabel="speedup (x)", title=title)
+    columns = min(3, len(groups))
+    lines = -(-len(groups) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.2 * lines),
+                             squeeze=False)
+    for group, ax in zip(groups, axes.flat):
+        sel = [r for r in ok if (r["dtype"], r["heads_q"], r["heads_kv"], r["head_dim"]) == group]
+        for i, batch in enumerate(sorted({r["batch"] for r in sel})):
+            best: dict = {}
+            for r in sel:
+                if r["batch"] == batch and r["backend"] != "tiled":
+                    best[r["seq_kv"]] = max(float(r["gpu_kv_tbs"]), best.get(r["seq_kv"], 0.0))
+            tiled = sorted((r["seq_kv"], float(r["gpu_kv_tbs"])) for r in sel
+                           if r["batch"] == batch and r["backend"] == "tiled")
+            color = f"C{i}"
+            ax.plot([p[0] for p in tiled], [p[1] for p in tiled], marker="o", color=color,
+                    label=f"tiled B={batch}")
+            ax.plot(sorted(best), [best[k] for k in sorted(best)], ls="--", color=color,
+                    label=f"best SDPA B={batch}")
         keys = sorted({r["seq_kv"] for r in sel})
-        for ax in (ax_rate, ax_speed):
-            ax.set_xticks(keys, [f"{k // 1024}k" if k >= 1024 else str(k) for k in keys])
-            ax.minorticks_off()
-            ax.legend(fontsize=7)
+        ax.set(xscale="log", xlabel="keys", ylabel="K/V read TB/s",
+               title="{} Hq/Hkv={}/{} D={}".format(*group))
+        ax.set_xticks(keys, [f"{k // 1024}k" if k >= 1024 else str(k) for k in keys])
+        ax.minorticks_off()
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
     fig.tight_layout()
     path = out_dir / "decode.png"
-    fig.savefig(path, dpi=70)
+    fig.savefig(path, dpi=60)
     return [path]
 
 

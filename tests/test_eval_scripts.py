@@ -77,6 +77,9 @@ def test_generate_cpu(tmp_path):
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 and float(r["ttft_ms"]) > 0
                for r in rows)
     assert (tmp_path / "generate.png").exists()
+    (tmp_path / "generate.png").unlink()
+    assert generate_throughput.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "generate.png").exists()
     with pytest.raises(SystemExit, match="--new-tokens"):
         generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
 
