@@ -8,10 +8,10 @@ python3 -m venv .venv
 if ! python -c "import torch" 2>/dev/null; then
   if nvidia-smi -L >/dev/null 2>&1; then
     python -m pip install -q "torch==2.13.0"   # PyPI's Linux wheel: the CUDA build
-  # No GPU: the CPU build. A wheel folder pip is pointed at (PIP_FIND_LINKS, as on this
-  # project's CI image) may hold it; otherwise PyTorch's CPU index has it (PyPI's Linux wheel
-  # of the same version is the CUDA build, several GB).
-  elif ! python -m pip install -q --no-index "torch==2.13.0+cpu" 2>/dev/null; then
+  # No GPU: the CPU build, 2.13.0+cpu. A wheel folder pip is pointed at (PIP_FIND_LINKS, as on
+  # this project's CI image) may hold it; PyPI does not (its Linux wheel of 2.13.0 is the CUDA
+  # build, several GB), PyTorch's CPU index does.
+  elif ! python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
