@@ -137,6 +137,12 @@ def progress(iterable, **kwargs):
     return tqdm(iterable, disable=None, **kwargs)
 
 
+def label_lengths(ax, lengths, labels=None) -> None:
+    """One labelled x tick per measured length on a log axis, without minor-tick clutter."""
+    ax.set_xticks(lengths, labels or [str(n) for n in lengths])
+    ax.minorticks_off()
+
+
 def parse_heads(text: str) -> tuple[int, int]:
     """``"32/8"`` -> (Hq, Hkv)."""
     heads_q, heads_kv = (int(x) for x in text.split("/"))

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
-from eval.models import SHAPES, build_config, build_models  # noqa: E402
+from eval.common import ResultsWriter, label_lengths, progress, results_dir  # noqa: E402
+from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
 CACHES = ["dynamic", "static"]
@@ -106,8 +106,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
         prompts = sorted({r["prompt"] for r in sel})
         for ax, ylabel in ((ax_rate, "new tokens/s"), (ax_ttft, "time to first token (ms)")):
             ax.set(xscale="log", xlabel="prompt tokens", ylabel=ylabel, title=title)
-            ax.set_xticks(prompts, [str(p) for p in prompts])
-            ax.minorticks_off()
+            label_lengths(ax, prompts)
             ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "generate.png"
@@ -143,12 +142,7 @@ def main(argv=None) -> int:
                          f"token), got {args.new_tokens}")
     if min(args.batch or [1]) < 1 or min(args.prompt or [1]) < 1:
         raise SystemExit("--batch and --prompt take positive sizes")
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    if not on_gpu:
-        print("generate: no CUDA GPU here; running a tiny model through the CPU reference path "
-              "(numbers say nothing about GPU speed).")
+    on_gpu, device, dtype = model_device("generate")
     shapes = args.shapes or (["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     batches = args.batch or ([1, 8, 32] if on_gpu else [1, 2])
     prompts = args.prompt or ([1024, 8192, 32768] if on_gpu else [32, 64])

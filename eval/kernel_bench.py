@@ -39,8 +39,8 @@ import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.masks import compact_mask  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
-from eval.common import (DTYPES, ResultsWriter, parse_heads, parse_schedules,  # noqa: E402
-                         results_dir)
+from eval.common import (DTYPES, ResultsWriter, label_lengths, parse_heads,  # noqa: E402
+                         parse_schedules, results_dir)
 
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
             "eager"]
@@ -269,8 +269,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ax_speed.axhline(1.0, color="gray", lw=0.8)
         seqs = sorted({r["seq_q"] for r in sel})
         for ax in (ax_tf, ax_speed):  # one labelled tick per measured length, no log clutter
-            ax.set_xticks(seqs, [str(s) for s in seqs])
-            ax.minorticks_off()
+            label_lengths(ax, seqs)
         ax_tf.legend(fontsize=7)
         ax_speed.legend(fontsize=7)
     fig.tight_layout()
@@ -313,8 +312,7 @@ def plot_decode(rows: list[dict], out_dir: Path) -> list[Path]:
         keys = sorted({r["seq_kv"] for r in sel})
         ax.set(xscale="log", xlabel="keys", ylabel="K/V read TB/s",
                title="{} Hq/Hkv={}/{} D={}".format(*group))
-        ax.set_xticks(keys, [f"{k // 1024}k" if k >= 1024 else str(k) for k in keys])
-        ax.minorticks_off()
+        label_lengths(ax, keys, [f"{k // 1024}k" if k >= 1024 else str(k) for k in keys])
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")

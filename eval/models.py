@@ -19,6 +19,16 @@ SHAPES = {
 }
 
 
+def model_device(job: str) -> tuple[bool, str, torch.dtype]:
+    """(on a GPU, device, dtype) of a whole-model eval: bf16 on the GPU, else fp32 on the CPU
+    through the reference path, which the eval says."""
+    if torch.cuda.is_available():
+        return True, "cuda", torch.bfloat16
+    print(f"{job}: no CUDA GPU here; running a tiny model at small sizes through the CPU "
+          "reference path (numbers say nothing about GPU speed).")
+    return False, "cpu", torch.float32
+
+
 def build_config(name: str, layers: int):
     from transformers import AutoConfig
     spec = dict(SHAPES[name])

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, results_dir  # noqa: E402
-from eval.models import SHAPES, build_config, build_models  # noqa: E402
+from eval.common import ResultsWriter, label_lengths, results_dir  # noqa: E402
+from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -81,8 +81,7 @@ def plot(rows: list[dict], out_dir: Path) -> None:
         seqs = sorted({r["seq"] for r in rows if r["model"] == model})
         for ax, ylabel in zip(panels, ("tokens/s", "peak GiB")):
             ax.set(xscale="log", xlabel="sequence length", ylabel=ylabel, title=title)
-            ax.set_xticks(seqs, [str(s) for s in seqs])
-            ax.minorticks_off()
+            label_lengths(ax, seqs)
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "prefill.png", dpi=80)
@@ -102,12 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    if not on_gpu:
-        print("prefill: no CUDA GPU here; running a tiny model at small sizes through the CPU "
-              "reference path (numbers say nothing about GPU speed).")
+    on_gpu, device, dtype = model_device("prefill")
     shapes = args.shapes if args.shapes is not None else (
         ["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     seqs = args.seq or ([512, 2048, 8192, 16384, 32768] if on_gpu else [64, 256])
