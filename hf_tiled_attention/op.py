@@ -150,8 +150,8 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 autotune.state())
     plan = _plans.get(memo_key)
     if plan is None:
-        plan = _plan(query, key, mask, causal, scale, window, softcap, diag_offset, explicit,
-                     return_lse, key_mask_table, value)
+        plan = _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset,
+                     explicit, return_lse, key_mask_table)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[memo_key] = plan
@@ -162,8 +162,10 @@ _plans: dict = {}
 _MAX_PLANS = 4096
 
 
-def _plan(query, key, mask, causal, scale, window, softcap, diag_offset, explicit, return_lse,
-          key_mask_table, value) -> LaunchPlan:
+def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, explicit,
+          return_lse, key_mask_table) -> LaunchPlan:
+    """The launch plan of a call: the default table's schedule (or the autotuner's, which may
+    time candidates on this call's inputs first) under the call's overrides."""
     device = query.device
     arch_major = _arch_major(device)
 
