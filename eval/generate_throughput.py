@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, label_lengths, progress, results_dir  # noqa: E402
+from eval.common import (ResultsWriter, label_lengths, progress, results_dir,  # noqa: E402
+                         save_figure)
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -106,12 +107,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
             ax.set(xscale="log", xlabel="prompt tokens", ylabel=ylabel, title=title)
             label_lengths(ax, prompts)
             ax.legend(fontsize=7)
-    if not on_gpu:
-        fig.suptitle("CPU reference path: not a speed measurement")
-    fig.tight_layout()
-    path = out_dir / "generate.png"
-    fig.savefig(path, dpi=70)
-    return path
+    return save_figure(fig, out_dir / "generate.png", dpi=70, measured_on_gpu=on_gpu)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ from hf_tiled_attention.masks import compact_mask  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
 from eval.common import (DTYPES, ResultsWriter, label_lengths, parse_heads,  # noqa: E402
-                         parse_schedules, results_dir)
+                         parse_schedules, results_dir, save_figure)
 
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
             "eager"]
@@ -239,11 +239,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     ok = [r for r in rows if r["status"] == "ok" and r["seq_q"] == r["seq_kv"]
           and not r["window"] and not r["left_pad"]]
     on_gpu = any(r["gpu_ms"] for r in ok)
-    paths = []
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["heads_q"], r["heads_kv"])
                      for r in ok})
     if not groups:
-        return paths
+        return []
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.2 * len(groups)), squeeze=False)
     for (dtype, d, causal, hq, hkv), (ax_tf, ax_speed) in zip(groups, axes):
         sel = [r for r in ok if (r["dtype"], r["head_dim"], r["causal"], r["heads_q"],
@@ -270,13 +269,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             label_lengths(ax, seqs)
         ax_tf.legend(fontsize=7)
         ax_speed.legend(fontsize=7)
-    if not on_gpu:
-        fig.suptitle("CPU reference path: not a speed measurement")
-    fig.tight_layout()
-    path = out_dir / "kernel_sweep.png"
-    fig.savefig(path, dpi=80)
-    paths.append(path)
-    return paths
+    return [save_figure(fig, out_dir / "kernel_sweep.png", dpi=80, measured_on_gpu=on_gpu)]
 
 
 def plot_decode(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -316,10 +309,7 @@ def plot_decode(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    fig.tight_layout()
-    path = out_dir / "decode.png"
-    fig.savefig(path, dpi=60)
-    return [path]
+    return [save_figure(fig, out_dir / "decode.png", dpi=60, measured_on_gpu=True)]
 
 
 def main(argv=None) -> int:

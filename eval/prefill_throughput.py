@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, label_lengths, results_dir  # noqa: E402
+from eval.common import ResultsWriter, label_lengths, results_dir, save_figure  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
@@ -81,10 +81,7 @@ def plot(rows: list[dict], out_dir: Path) -> None:
             ax.set(xscale="log", xlabel="sequence length", ylabel=ylabel, title=title)
             label_lengths(ax, seqs)
             ax.legend(fontsize=7)
-    if not with_memory:
-        fig.suptitle("CPU reference path: not a speed measurement")
-    fig.tight_layout()
-    fig.savefig(out_dir / "prefill.png", dpi=80)
+    save_figure(fig, out_dir / "prefill.png", dpi=80, measured_on_gpu=with_memory)
 
 
 def main(argv=None) -> int:
