@@ -6,10 +6,11 @@ tiles that the query tile can see and keeps an online softmax (running max ``m``
 blocks loop over the same tiles in the same order.
 
 A tile's rows are either consecutive query positions of one query head (``G_TILE`` 1: Q, Out and
-Lse are ``(B, Hq, Sq, ...)``), or, for short queries (decode), the query heads that share one
-key/value head at a few positions (``G_TILE`` > 1: Q and Out are ``(B, Hkv, Sq, group, D)``
-views, a tile holds ``TILE_M // G_TILE`` positions x ``G_TILE`` heads), so each K/V tile is read
-once per group and the tile stays big enough for the warpgroup MMA.
+Lse are ``(B, Hq, Sq, ...)``), or, for short queries (decode), up to 16 query heads that share
+one key/value head at a few positions (``G_TILE`` > 1: Q and Out are ``(B, Hq / pack, Sq, pack,
+D)`` views, ``pack`` heads per tile; a tile holds ``TILE_M // G_TILE`` positions x ``G_TILE``
+heads), so each K/V tile is read once per pack and the tile stays big enough for the warpgroup
+MMA.
 
 Visibility of key ``j`` for query row ``i`` (``pos = i + diag_offset``, keys and positions in key
 coordinates):
@@ -58,7 +59,8 @@ def attention_forward(
     window: int,
     kv_splits: int,          # >1: block (m, split) covers one slice of the key tiles and writes
                              # its fp32 partial output + LSE at [split, b * heads + head]
-    GROUP: ConstInt,         # query heads per key/value head (1 when G_TILE > 1: Q is per kv head)
+    GROUP: ConstInt,         # grid heads per key/value head: query heads, or with G_TILE > 1
+                             # packed tiles (1; MQA's 32 heads as two tiles of 16: 2)
     G_TILE: ConstInt,        # 1, or decode: a kv head's query heads as rows, padded to a power of 2
     TILE_M: ConstInt,
     TILE_N: ConstInt,

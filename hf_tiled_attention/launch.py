@@ -33,8 +33,6 @@ MAX_SPLITS = 64
 # The merge reads at most this many fp32 partial outputs per load.
 MERGE_TILE_ELEMENTS = 8192
 MERGE_CHUNK_D = 64
-# Query positions per merge block (queries that split their keys have at most 16 rows).
-MERGE_MAX_ROWS = 16
 
 
 class KernelConstants(NamedTuple):
@@ -158,9 +156,9 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
         blocks = math.prod(grid)
         grid = (min(blocks, sm_count * schedule.occupancy) if sm_count else blocks, 1, 1)
     merge, merge_grid = None, (0, 0, 0)
-    if splits > 1:
-        merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q), MERGE_MAX_ROWS),
-                                splits, head_dim, bool(return_lse))
+    if splits > 1:  # the merge takes the query's own rows: at most 16 (DECODE_QUERY_ROWS)
+        merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
+                                bool(return_lse))
         merge_grid = (math.ceil(seq_q / merge.ROWS) * merge.D_CHUNKS, heads_grid, batch)
     return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
                       window=int(window or 0), kv_splits=splits, return_lse=bool(return_lse),
