@@ -84,6 +84,22 @@ def test_generate_cpu(tmp_path):
         generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
 
 
+def test_profile_decode_step_cpu(tmp_path):
+    from eval import profile_decode_step
+    assert profile_decode_step.main(["--steps", "2", "--reps", "1", "--batch", "1",
+                                     "--prompt", "16", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "decode_step_profile.csv")
+    assert list(rows[0]) == profile_decode_step.COLUMNS
+    assert [r["backend"] for r in rows] == ["tiled", "sdpa"]
+    # CPU: wall and host times only (no GPU columns), the attention range seen on every step.
+    assert all(float(r["step_ms"]) > 0 and float(r["host_attention_ms"]) > 0
+               and r["gpu_busy_ms"] == "" for r in rows)
+    listing = (tmp_path / "decode_step_kernels.txt").read_text()
+    assert "## tiled batch 1 prompt 16: host self-time" in listing
+    assert profile_decode_step.is_attention_kernel("attention_forward_Kt2_A5bf16")
+    assert not profile_decode_step.is_attention_kernel("nvjet_sm90_tst_64x8")
+
+
 def _tiny_model_with_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
