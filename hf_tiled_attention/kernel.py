@@ -2,8 +2,7 @@
 
 One block (grid: query tiles x heads x batch) computes one output tile: it streams the key/value
 tiles that the query tile can see and keeps an online softmax (running max ``m``, running sum
-``l`` and the unnormalised output ``acc``) in fp32. With ``PERSISTENT`` a smaller 1-D grid's
-blocks loop over the same tiles in the same order.
+``l`` and the unnormalised output ``acc``) in fp32.
 
 A tile's rows are either consecutive query positions of one query head (``G_TILE`` 1: Q, Out and
 Lse are ``(B, Hq, Sq, ...)``), or, for short queries (decode), up to 16 query heads that share
@@ -19,7 +18,12 @@ coordinates):
 * ``CAUSAL``: ``j <= pos``;
 * ``WINDOWED``: ``j > pos - window``, and when not causal also ``j < pos + window``;
 * ``MASK_KIND`` 1 (bool, stored as uint8): ``mask[i, j] != 0``; 2 (additive float): the score
-  gets ``+ mask[i, j]`` and ``-inf`` hides the key.
+  gets ``+ mask[i, j]`` and ``-inf`` hides the key; 3: ``_mask_mod(b, h, i, j)`` (a user's
+  mask_mod, see mods.py) on the tiles its block table marks partial.
+
+With ``SCORE_MOD`` the (scaled, natural-unit) scores first pass through ``_score_mod(score, b,
+h, i, j)``. The two mods are module globals here; launch.py builds one copy of the kernel per
+user mod with them replaced, and ``Captures`` carries the tensors the mods read.
 
 Only key tiles inside the causal/window range are visited (split over ``kv_splits`` blocks
 when there are too few query tiles to fill the GPU, e.g. decode; merge.py combines the slices);
@@ -44,15 +48,30 @@ ConstFloat = ct.Constant[float]
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-# Per-tile states of the dense-mask table (see masks.py).
+# Per-tile states of the mask's block table (see masks.py).
 TILE_EMPTY = 0
 TILE_PARTIAL = 1
 TILE_FULL = 2
+# MASK_KIND values (masks.py).
+NO_MASK = 0
+BOOL_MASK = 1
+ADDITIVE_MASK = 2
+MASK_MOD = 3
+
+
+def _score_mod(score, b, h, q_idx, kv_idx, captures):
+    """Stand-in for a user's score_mod (replaced per mod by launch.py)."""
+    return score
+
+
+def _mask_mod(b, h, q_idx, kv_idx, captures):
+    """Stand-in for a user's mask_mod (replaced per mod by launch.py)."""
+    return q_idx >= 0
 
 
 @ct.kernel
 def attention_forward(
-    Q, K, V, Out, Lse, Mask, TileState,
+    Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures,
     score_scale: float,      # multiplies q.k (scale * SCORE_UNIT, or scale/softcap when SOFTCAP)
     softcap_out: float,      # softcap * SCORE_UNIT when SOFTCAP
     diag_offset: int,        # query row i sits at key position i + diag_offset
@@ -71,11 +90,13 @@ def attention_forward(
     CAUSAL: ConstBool,
     WINDOWED: ConstBool,
     SOFTCAP: ConstBool,
-    MASK_KIND: ConstInt,     # 0 none, 1 bool (uint8), 2 additive
+    SCORE_MOD: ConstBool,    # scores pass through _score_mod
+    MASK_KIND: ConstInt,     # NO_MASK, BOOL_MASK (uint8), ADDITIVE_MASK, MASK_MOD
     MASK_BATCHED: ConstBool,  # mask has a batch dim of size B (else 1)
     MASK_HEADED: ConstBool,   # mask has a head dim of size Hq (else 1)
     MASK_ROWS: ConstBool,     # mask has one row per query (else one row for all queries)
-    MASK_TABLE: ConstBool,    # TileState holds each tile's state (else: apply the mask on every
+    MASK_TABLE: ConstBool,    # TileState holds each tile's state and TileRange each query tile's
+                              # [first, end) non-empty key tiles (else: apply the mask on every
                               # visited tile; only for a key vector)
     SCORE_UNIT: ConstFloat,   # LOG2E: scores kept in log2 units; 1.0: natural units
     FOLD_SCALE: ConstBool,    # score_scale > 0 applied inside the exponent (no softcap/bias)
@@ -83,28 +104,18 @@ def attention_forward(
     HEAVY_FIRST: ConstBool,   # causal: launch the longest query tiles first
     K_LATENCY: ConstInt,
     V_LATENCY: ConstInt,
-    PERSISTENT: ConstBool,    # a fixed grid (about one wave) whose blocks loop over the tiles
 ):
-    tile_args = (Q, K, V, Out, Lse, Mask, TileState, score_scale, softcap_out, diag_offset,
-                 window, kv_splits, GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL,
-                 WINDOWED, SOFTCAP, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE,
-                 SCORE_UNIT, FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
-    if PERSISTENT:
-        # Work items in the order a full grid (m_blocks, heads, batch) would launch them.
-        m_blocks = ct.cdiv(Q.shape[2], TILE_M // G_TILE) * kv_splits
-        heads = Q.shape[1]
-        batches = Q.shape[0]
-        for item in range(ct.bid(0), m_blocks * heads * batches, ct.num_blocks(0)):
-            _query_tile(item % m_blocks, (item // m_blocks) % heads, item // (m_blocks * heads),
-                        m_blocks, batches, *tile_args)
-    else:
-        _query_tile(ct.bid(0), ct.bid(1), ct.bid(2), ct.num_blocks(0), ct.num_blocks(2),
-                    *tile_args)
+    _query_tile(ct.bid(0), ct.bid(1), ct.bid(2), ct.num_blocks(0), Q, K, V, Out, Lse, Mask,
+                TileState, TileRange, Captures, score_scale, softcap_out, diag_offset, window,
+                kv_splits, GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED,
+                SOFTCAP, SCORE_MOD, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE,
+                SCORE_UNIT, FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
 
 
-def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask, TileState,
-                score_scale, softcap_out, diag_offset, window, kv_splits, GROUP, G_TILE,
-                TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND,
+def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileState,
+                TileRange, Captures, score_scale, softcap_out, diag_offset, window, kv_splits,
+                GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED, SOFTCAP,
+                SCORE_MOD, MASK_KIND,
                 MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE, SCORE_UNIT, FOLD_SCALE,
                 WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY):
     """One output tile: query block ``block_m`` (a query tile and, with kv_splits > 1, one slice
@@ -141,6 +152,19 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
         hi_all = min(pos_lo + 1, seq_kv)
     first_tile = lo_any // TILE_N
     end_tile = max(ct.cdiv(hi_any, TILE_N), first_tile)
+
+    mask_b = batch if MASK_BATCHED else 0
+    mask_h = head if MASK_HEADED else 0
+    mask_m = m_tile if MASK_ROWS else 0
+    MASK_TILE_M = TILE_M if MASK_ROWS else 1
+    if MASK_KIND != NO_MASK and MASK_TABLE:
+        # Only the key tiles the block table has non-empty for this query tile.
+        table_lo = ct.load(TileRange, index=(mask_b, mask_h, mask_m, 0),
+                           shape=(1, 1, 1, 1)).item()
+        table_hi = ct.load(TileRange, index=(mask_b, mask_h, mask_m, 1),
+                           shape=(1, 1, 1, 1)).item()
+        first_tile = max(first_tile, table_lo)
+        end_tile = max(min(end_tile, table_hi), first_tile)
     # This block's slice of the visible key tiles (all of them unless kv_splits > 1).
     per_split = ct.cdiv(end_tile - first_tile, kv_splits)
     first_tile = min(first_tile + split * per_split, end_tile)
@@ -149,13 +173,9 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
     if G_TILE > 1:  # rows are (position, head) pairs, heads fastest
         row_in_tile = row_in_tile // G_TILE
-    row_pos = (row_lo + diag_offset + row_in_tile)[:, None]
+    q_idx = (row_lo + row_in_tile)[:, None]   # query rows (a mod's q_idx)
+    row_pos = q_idx + diag_offset              # their key positions
     col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
-
-    mask_b = batch if MASK_BATCHED else 0
-    mask_h = head if MASK_HEADED else 0
-    mask_m = m_tile if MASK_ROWS else 0
-    MASK_TILE_M = TILE_M if MASK_ROWS else 1
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
@@ -174,9 +194,9 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
     # the per-element mask (only a dense mask, if any, still applies to them).
     full_lo = min(max(ct.cdiv(lo_all, TILE_N), first_tile), end_tile)
     full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
-    tile_args = (q, q_tail, K, V, Mask, TileState, batch, kv_head, mask_b, mask_h, mask_m, row_pos,
-                 col_in_tile, seq_kv, window, score_scale, softcap_out)
-    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TABLE, MASK_TILE_M,
+    tile_args = (q, q_tail, K, V, Mask, TileState, Captures, batch, head, kv_head, mask_b, mask_h,
+                 mask_m, q_idx, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out)
+    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, SCORE_MOD, MASK_KIND, MASK_TABLE, MASK_TILE_M,
                    SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY)
     for j in range(first_tile, full_lo):
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
@@ -209,14 +229,15 @@ def _query_tile(block_m, head, batch, m_blocks, batches, Q, K, V, Out, Lse, Mask
         store_lse(Lse, out_0, out_1, m_tile, lse, ROWS, G_TILE)
 
 
-def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, batch, kv_head,
-                 mask_b, mask_h, mask_m, row_pos, col_in_tile, seq_kv, window, score_scale,
-                 softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP, MASK_KIND, MASK_TABLE,
+def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, Captures, batch,
+                 head, kv_head, mask_b, mask_h, mask_m, q_idx, row_pos, col_in_tile, seq_kv,
+                 window, score_scale, softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP,
+                 SCORE_MOD, MASK_KIND, MASK_TABLE,
                  MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
                  V_LATENCY):
     """One online-softmax step over key tile ``j``; returns the updated (m, l, acc, acc_tail)."""
     state = TILE_FULL
-    if MASK_KIND != 0:
+    if MASK_KIND != NO_MASK:
         if MASK_TABLE:
             state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
                             shape=(1, 1, 1, 1)).item()
@@ -241,9 +262,11 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, b
             s = qk
         else:
             s = qk * score_scale
+        cols = j * TILE_N + col_in_tile
+        if SCORE_MOD:  # before any masking: a mod must not see (or revive) a hidden -inf
+            s = _score_mod(s, batch, head, q_idx, cols, Captures)
 
         if GEOMETRIC_MASK:
-            cols = j * TILE_N + col_in_tile
             visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
             if CAUSAL:
                 visible = visible & (cols <= row_pos)
@@ -252,11 +275,15 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, b
                 if not CAUSAL:
                     visible = visible & (cols < row_pos + window)
             s = ct.where(visible, s, -math.inf)
-        if state == TILE_PARTIAL:
+        if state == TILE_PARTIAL and MASK_KIND == MASK_MOD:
+            visible = (ct.full((TILE_M, TILE_N), True, dtype=ct.bool_)
+                       & _mask_mod(batch, head, q_idx, cols, Captures))
+            s = ct.where(visible, s, -math.inf)
+        elif state == TILE_PARTIAL:
             mask = ct.load(Mask, index=(mask_b, mask_h, mask_m, j),
                            shape=(1, 1, MASK_TILE_M, TILE_N),
                            padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
-            if MASK_KIND == 1:
+            if MASK_KIND == BOOL_MASK:
                 s = ct.where(mask != 0, s, -math.inf)
             else:
                 # -inf hides the key outright, so a NaN score there does not leak (NaN + -inf).
@@ -268,7 +295,7 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, b
             row_max = row_max * score_scale
         m_new = max(m_i, row_max)
         m_shift = m_new
-        if GEOMETRIC_MASK or MASK_KIND != 0:
+        if GEOMETRIC_MASK or MASK_KIND != NO_MASK or SCORE_MOD:
             # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
         if FOLD_SCALE:

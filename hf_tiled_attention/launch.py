@@ -16,7 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .masks import ADDITIVE, CompactMask
+from .masks import ADDITIVE, MOD, CompactMask, ModMask
+from .mods import CompiledMods
 from .schedule import DECODE_QUERY_ROWS, Schedule, head_dim_parts
 
 LOG2E = 1.0 / math.log(2.0)
@@ -47,6 +48,7 @@ class KernelConstants(NamedTuple):
     CAUSAL: bool
     WINDOWED: bool
     SOFTCAP: bool
+    SCORE_MOD: bool
     MASK_KIND: int
     MASK_BATCHED: bool
     MASK_HEADED: bool
@@ -58,7 +60,6 @@ class KernelConstants(NamedTuple):
     HEAVY_FIRST: bool
     K_LATENCY: int
     V_LATENCY: int
-    PERSISTENT: bool
 
 
 class MergeConstants(NamedTuple):
@@ -84,6 +85,7 @@ class KernelVariant:
     mask_dtype: Optional[torch.dtype]          # as the kernel reads it: bool masks as uint8
     score_scale: float
     softcap_out: float
+    mods: Optional[CompiledMods]               # the call's score_mod / mask_mod, translated
 
     @property
     def g_tile(self) -> int:
@@ -117,19 +119,22 @@ class LaunchPlan:
                 self.window, self.kv_splits)
 
 
-def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask], *,
-                causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
+def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask | ModMask],
+                *, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
                 diag_offset: int, schedule: Schedule, return_lse: bool,
-                sm_count: int = 0, key_mask_table: bool = True) -> LaunchPlan:
+                sm_count: int = 0, key_mask_table: bool = True,
+                mods: Optional[CompiledMods] = None) -> LaunchPlan:
     """``sm_count`` (the GPU's SM count; 0 = unknown) lets a call with too few query tiles to
     fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0).
     ``key_mask_table``: a key-vector mask gets a per-tile state table, so empty key tiles are
     skipped (a mask with rows or heads always does); traced calls (CUDA graphs) pass False:
-    there the table would be rebuilt by every layer of every step."""
+    there the table would be rebuilt by every layer of every step. ``mods``: the call's
+    translated score_mod / mask_mod (a mask_mod comes as ``mask``, a :class:`ModMask`)."""
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
-    g_tile = packed_group_tile(schedule, seq_q, group, mask)
+    # A mod sees one query head per tile row block (its h is the grid head): no packing.
+    g_tile = 1 if mods is not None else packed_group_tile(schedule, seq_q, group, mask)
     if g_tile > 1:
         tile_m = min(max(PACKED_MIN_ROWS, g_tile * _next_power_of_two(seq_q)), PACKED_MAX_ROWS)
     else:
@@ -144,17 +149,17 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
         splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
                             math.ceil(visible / schedule.tile_n), sm_count,
                             compiler_hints(schedule, g_tile, tile_m)[1])
-    mask_layout = None if mask is None else (
-        mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row,
-        bool(mask.headed or mask.per_row or key_mask_table))
+    mask_layout = None
+    if isinstance(mask, ModMask):
+        mask_layout = (MOD, None, mask.batched, mask.headed, True, True)
+    elif mask is not None:
+        mask_layout = (mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
+                       mask.per_row, bool(mask.headed or mask.per_row or key_mask_table))
     # Split blocks always write their LSE: the merge weighs the slices with it.
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
                              float(scale), window is not None, softcap, schedule,
-                             bool(return_lse or splits > 1), g_tile, tile_m)
+                             bool(return_lse or splits > 1), g_tile, tile_m, mods)
     grid = (m_tiles * splits, heads_grid, batch)
-    if schedule.persistent:  # about one wave of blocks; each loops over the tiles
-        blocks = math.prod(grid)
-        grid = (min(blocks, sm_count * schedule.occupancy) if sm_count else blocks, 1, 1)
     merge, merge_grid = None, (0, 0, 0)
     if splits > 1:  # the merge takes the query's own rows: at most 16 (DECODE_QUERY_ROWS)
         merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
@@ -202,12 +207,14 @@ def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
 def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: Optional[tuple],
                    causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                    schedule: Schedule, write_lse: bool, g_tile: int,
-                   tile_m: int) -> KernelVariant:
+                   tile_m: int, mods: Optional[CompiledMods] = None) -> KernelVariant:
     """The variant for one combination of (hashable) call properties; memoised."""
     mask_kind, mask_dtype, batched, headed, per_row, table = mask_layout or (
         0, None, False, False, False, False)
+    has_score_mod = mods is not None and mods.score_mod is not None
     # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
-    score_unit = 1.0 if mask_kind == ADDITIVE else LOG2E
+    # A score_mod sees natural-unit scores, as in FlexAttention.
+    score_unit = 1.0 if mask_kind == ADDITIVE or has_score_mod else LOG2E
     if softcap is not None:
         score_scale, softcap_out = scale / softcap, softcap * score_unit
     else:
@@ -218,17 +225,16 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
         TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
-        SOFTCAP=softcap is not None, MASK_KIND=mask_kind, MASK_BATCHED=batched,
+        SOFTCAP=softcap is not None, SCORE_MOD=has_score_mod, MASK_KIND=mask_kind, MASK_BATCHED=batched,
         MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
-        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency,
-        PERSISTENT=schedule.persistent)
+        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,
-        score_scale=float(score_scale), softcap_out=float(softcap_out))
+        score_scale=float(score_scale), softcap_out=float(softcap_out), mods=mods)
 
 
 def compiler_hints(schedule: Schedule, g_tile: int, tile_m: int) -> tuple[Optional[int], int]:
@@ -257,18 +263,52 @@ def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int]):
-    """The kernel object for one set of compiler hints (each keeps its own JIT cache)."""
+def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int],
+                      mods_module=None):
+    """The kernel object for one set of compiler hints (each keeps its own JIT cache), and with
+    a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod."""
     from .kernel import attention_forward
+    kernel = attention_forward if mods_module is None else _kernel_with_mods(mods_module)
     hints = dict(occupancy=occupancy, num_ctas=num_ctas)
     if num_worker_warps is not None:
         hints["num_worker_warps"] = num_worker_warps
-    return attention_forward.replace_hints(**hints)
+    return kernel.replace_hints(**hints)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_with_mods(mods_module):
+    """The attention kernel with kernel.py's ``_score_mod`` / ``_mask_mod`` replaced by the
+    generated ones: copies of the kernel function and of the helpers that reach the mods,
+    sharing new globals (cuTile resolves a callee through its caller's globals)."""
+    import types
+
+    import cuda.tile as ct
+
+    from . import kernel as source
+
+    scope = dict(vars(source))
+    for name in ("score_mod", "mask_mod"):
+        if hasattr(mods_module, name):
+            scope["_" + name] = getattr(mods_module, name)
+
+    def copy(fn):
+        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                   fn.__closure__)
+        clone.__qualname__, clone.__module__ = fn.__qualname__, fn.__module__
+        # cuTile reads which parameters are constants from the annotations.
+        clone.__annotations__ = dict(fn.__annotations__)
+        clone.__kwdefaults__ = fn.__kwdefaults__
+        return clone
+
+    for helper in ("_query_tile", "_attend_tile"):
+        scope[helper] = copy(getattr(source, helper))
+    return ct.kernel(copy(source.attention_forward._pyfunc))
 
 
 def plan_kernel(plan: LaunchPlan):
     v = plan.variant
-    return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps)
+    return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps,
+                             None if v.mods is None else v.mods.module)
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,14 +378,15 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
 
 
 class LaunchArrays(NamedTuple):
-    attention: tuple             # Q, K, V, Out, Lse, Mask, TileState as the kernel takes them
+    attention: tuple             # Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures
     merge: Optional[tuple]       # PartOut, PartLse, Out, Lse for the merge (kv_splits > 1)
     out: torch.Tensor            # (B, Hq, Sq, D)
     lse: Optional[torch.Tensor]  # (B, Hq, Sq) fp32, or None when not asked for
 
 
 def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, mask: Optional[CompactMask]) -> LaunchArrays:
+                  value: torch.Tensor,
+                  mask: Optional[CompactMask | ModMask]) -> LaunchArrays:
     """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
     is how :func:`export_signatures` sees exactly the arrays a real launch passes."""
     variant, views = plan.variant, plan.views
@@ -373,21 +414,23 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         out_arg = workspace.as_strided(*views.part_out, views.part_offset)
         lse_arg = workspace.as_strided(*views.part_lse)
         merge = (out_arg, lse_arg, out_rows, lse_rows)
-    if mask is not None:
+    mask_arg = _placeholder(device, torch.uint8, 4, capturing)
+    states = _placeholder(device, torch.int8, 4, capturing)
+    ranges = _placeholder(device, torch.int32, 4, capturing)
+    if isinstance(mask, CompactMask):
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
         # the reinterpretation never reaches a traced graph.
         mask_arg = mask.tensor.view(variant.mask_dtype)
-        states = (mask.states(variant.tile_m, variant.tile_n)
-                  if variant.constants.MASK_TABLE
-                  else _placeholder(device, torch.int8, 4, capturing))
-    else:
-        mask_arg = _placeholder(device, torch.uint8, 4, capturing)
-        states = _placeholder(device, torch.int8, 4, capturing)
-    return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states), merge, out, lse)
+    if mask is not None and variant.constants.MASK_TABLE:
+        states, ranges = mask.block_table(variant.tile_m, variant.tile_n)
+    captures = () if variant.mods is None else variant.mods.kernel_captures()
+    return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states, ranges,
+                         captures), merge, out, lse)
 
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: Optional[CompactMask]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               mask: Optional[CompactMask | ModMask],
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches the attention kernel (and the merge when the keys are split) on the current
     stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it."""
     import cuda.tile as ct
@@ -419,7 +462,8 @@ def _array_constraint(tensor: torch.Tensor):
     from cuda.tile.compilation import ArrayConstraint
 
     ct_dtypes = {torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
-                 torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8}
+                 torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8,
+                 torch.int16: ct.int16, torch.int32: ct.int32, torch.int64: ct.int64}
     size = tensor.element_size()
     return ArrayConstraint(
         ct_dtypes[tensor.dtype], tensor.dim(), index_dtype=ct.int32,
@@ -432,30 +476,34 @@ def _array_constraint(tensor: torch.Tensor):
 
 
 def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                      mask: Optional[CompactMask] = None):
+                      mask: Optional[CompactMask | ModMask] = None):
     """The :class:`cuda.tile.compilation.KernelSignature` of the attention kernel and, when the
     plan splits the keys, of the merge (else None), as a launch of ``plan`` on these tensors
     compiles them (meta tensors are fine): an export compiles the same code (TMA loads and all)
     that runs."""
     import cuda.tile as ct
-    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+    from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
+                                       TupleConstraint)
 
     arrays = launch_arrays(plan, query, key, key, mask)
+    *plain, captures = arrays.attention
+    # The captures tuple needs the calling convention that has tuple parameters (v2).
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
-    attention = KernelSignature([_array_constraint(a) for a in arrays.attention] + scalars
-                                + list(plan.variant.constants),
-                                CallingConvention.cutile_python_v1())
+    attention = KernelSignature([_array_constraint(a) for a in plain]
+                                + [TupleConstraint([_array_constraint(a) for a in captures])]
+                                + scalars + list(plan.variant.constants),
+                                CallingConvention.cutile_python_v2())
     merge = None
     if arrays.merge is not None:
         merge = KernelSignature([_array_constraint(a) for a in arrays.merge]
                                 + [ScalarConstraint(ct.int32)] + list(plan.merge),
-                                CallingConvention.cutile_python_v1())
+                                CallingConvention.cutile_python_v2())
     return attention, merge
 
 
 def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                 mask: Optional[CompactMask] = None, *, arch: str,
+                 mask: Optional[CompactMask | ModMask] = None, *, arch: str,
                  kernel: str = "attention") -> bytes:
     """The cubin a launch of ``plan`` on these tensors compiles for ``arch`` (e.g. "sm_90"),
     built without a GPU by cuTile's exporter: the attention kernel, or with ``kernel="merge"``

@@ -1,19 +1,47 @@
-"""Dense ``attn_mask`` handling shared by the kernel launcher and the reference path.
+"""Masks as the kernel reads them: a dense ``attn_mask`` or a ``mask_mod``, each with a block
+table (per query tile x key tile: empty, partial, full; and per query tile the range of key
+tiles that are not empty), shared by the kernel launcher and the reference path.
 
-A mask broadcastable to ``(B, Hq, Sq, Skv)`` is kept in its compact form: a 4-D view whose batch,
-head and query dims are either full or of size 1 (dims that were broadcast by ``expand`` have
-stride 0 and are narrowed to size 1, without copying).
+A dense mask broadcastable to ``(B, Hq, Sq, Skv)`` is kept in its compact form: a 4-D view whose
+batch, head and query dims are either full or of size 1 (dims that were broadcast by ``expand``
+have stride 0 and are narrowed to size 1, without copying). A mask_mod's table is computed on
+the call's device from the mod itself, a few query tiles at a time: memory O(tiles), never
+O(Sq x Skv).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from .mods import CompiledMods, index_grid
+
+# Mask kinds, as kernel.py names them.
 BOOL = 1
 ADDITIVE = 2
+MOD = 3
+TILE_EMPTY, TILE_PARTIAL, TILE_FULL = 0, 1, 2
+# A mask_mod's table is evaluated for this many query/key elements at a time.
+MOD_TABLE_CHUNK = 1 << 22
+
+
+class BlockTable(NamedTuple):
+    """``states`` (Bm, Hm, n_m, n_n) int8 TILE_EMPTY / TILE_PARTIAL / TILE_FULL; ``ranges``
+    (Bm, Hm, n_m, 2) int32: each query tile's first and end key tile that is not empty."""
+    states: torch.Tensor
+    ranges: torch.Tensor
+
+
+def tile_ranges(states: torch.Tensor) -> torch.Tensor:
+    n = states.shape[-1]
+    nonempty = states != TILE_EMPTY
+    index = torch.arange(n, device=states.device, dtype=torch.int32)
+    first = torch.where(nonempty, index, n).amin(dim=-1)
+    end = torch.where(nonempty, index + 1, 0).amax(dim=-1)
+    return torch.stack([first, torch.maximum(end, first)], dim=-1).to(torch.int32).contiguous()
 
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -28,15 +56,11 @@ class CompactMask:
     # of a forward shares (the transformers adapter keeps one) builds each table once.
     state_tables: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def states(self, tile_m: int, tile_n: int) -> torch.Tensor:
-        """:func:`tile_states` for these tiles, memoised (except while a CUDA graph is being
+    def block_table(self, tile_m: int, tile_n: int) -> BlockTable:
+        """The :class:`BlockTable` for these tiles, memoised (except while a CUDA graph is being
         captured: a table made then lives in the graph's private memory pool)."""
-        table = self.state_tables.get((tile_m, tile_n))
-        if table is None:
-            table = tile_states(self, tile_m, tile_n)
-            if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self.state_tables[(tile_m, tile_n)] = table
-        return table
+        return _memo_table(self.state_tables, (tile_m, tile_n),
+                           lambda: _with_ranges(tile_states(self, tile_m, tile_n)))
 
     @property
     def layout(self) -> tuple:
@@ -115,3 +139,99 @@ def tile_states(mask: CompactMask, tile_m: int, tile_n: int) -> torch.Tensor:
     all_full = pool(zero_bias, True, "all").bool()
     states = torch.where(all_full, 2, torch.where(any_visible, 1, 0))
     return states.to(torch.int8).contiguous()
+
+
+def _with_ranges(states: torch.Tensor) -> BlockTable:
+    return BlockTable(states, tile_ranges(states))
+
+
+def _memo_table(tables: dict, key, build) -> BlockTable:
+    table = tables.get(key)
+    if table is None:
+        table = build()
+        if not (table.states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            tables[key] = table
+    return table
+
+
+@dataclass(eq=False)
+class ModMask:
+    """A call's mask_mod for one (B, Hq, Sq, Skv): its dependence on the batch and head (found
+    by evaluating it once on a few indices) and its block tables by tile shape, memoised, so
+    every layer of a forward with the same mod and shape shares them (see :func:`mod_mask`)."""
+    mods: CompiledMods
+    batch: int
+    heads: int
+    seq_q: int
+    seq_kv: int
+    device: torch.device
+    batched: bool = False
+    headed: bool = False
+    state_tables: dict = field(default_factory=dict, repr=False)
+    kind: int = MOD
+    per_row: bool = True
+
+    def __post_init__(self):
+        rows = torch.arange(min(self.seq_q, 2), device=self.device)
+        cols = torch.arange(min(self.seq_kv, 2), device=self.device)
+        probe = self.evaluate(rows, cols)
+        self.batched = probe.shape[0] > 1
+        self.headed = probe.shape[1] > 1
+
+    def evaluate(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The mask_mod on these query rows and keys: bool ``(B or 1, H or 1, rows, cols)``."""
+        b, h, q_idx, kv_idx = index_grid(self.batch, (self.heads,), rows, cols)
+        visible = torch.as_tensor(self.mods.mask_mod(b, h, q_idx, kv_idx), device=self.device)
+        if visible.dtype != torch.bool:
+            raise TypeError(f"mask_mod must return a bool tensor, got {visible.dtype}")
+        visible = visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))
+        shape = [visible.shape[0], visible.shape[1], len(rows), len(cols)]
+        return visible.expand(shape)
+
+    @property
+    def layout(self) -> tuple:
+        return (MOD, self.mods.key, self.batched, self.headed, True)
+
+    def block_table(self, tile_m: int, tile_n: int) -> BlockTable:
+        return _memo_table(self.state_tables, (tile_m, tile_n),
+                           lambda: self._table(tile_m, tile_n))
+
+    def _table(self, tile_m: int, tile_n: int) -> BlockTable:
+        n_m, n_n = -(-self.seq_q // tile_m), -(-self.seq_kv // tile_n)
+        cols = torch.arange(n_n * tile_n, device=self.device)
+        tiles_per_chunk = max(1, MOD_TABLE_CHUNK // (tile_m * n_n * tile_n))
+        parts = []
+        for m0 in range(0, n_m, tiles_per_chunk):
+            m1 = min(m0 + tiles_per_chunk, n_m)
+            rows = torch.arange(m0 * tile_m, m1 * tile_m, device=self.device)
+            # Rows and keys past the ends (tile padding) are evaluated at the last ones, so a
+            # mod's indexing stays in bounds, and count as visible for "full", hidden for "any".
+            visible = self.evaluate(rows.clamp(max=self.seq_q - 1),
+                                    cols.clamp(max=self.seq_kv - 1))
+            inside = (rows < self.seq_q)[:, None] & (cols < self.seq_kv)[None, :]
+            tiles = (visible.shape[0], visible.shape[1], m1 - m0, tile_m, n_n, tile_n)
+            any_visible = (visible & inside).reshape(tiles).any(dim=5).any(dim=3)
+            all_visible = (visible | ~inside).reshape(tiles).all(dim=5).all(dim=3)
+            parts.append(torch.where(all_visible, TILE_FULL,
+                                     torch.where(any_visible, TILE_PARTIAL, TILE_EMPTY)))
+        states = torch.cat(parts, dim=2).to(torch.int8)
+        states = states[:1 if not self.batched else None, :1 if not self.headed else None]
+        return _with_ranges(states.contiguous())
+
+
+# ModMasks by (mods, captured tensors' identity and version, shape, device): the layers of a
+# forward (and repeated forwards) share one and its tables.
+_mod_masks: dict = {}
+_MAX_MOD_MASKS = 64
+
+
+def mod_mask(mods: CompiledMods, batch: int, heads: int, seq_q: int, seq_kv: int,
+             device: torch.device) -> ModMask:
+    key = (mods.key, tuple((id(t), t._version) for t in mods.captures), id(mods.mask_mod),
+           batch, heads, seq_q, seq_kv, device)
+    found = _mod_masks.get(key)
+    if found is None:
+        if len(_mod_masks) >= _MAX_MOD_MASKS:
+            _mod_masks.clear()
+        found = _mod_masks[key] = ModMask(mods, batch, heads, seq_q, seq_kv, device)
+    return found

@@ -12,14 +12,15 @@ import functools
 import math
 import os
 import warnings
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from . import autotune
 from .checks import check_inputs, check_options
 from .launch import LaunchPlan, plan_launch, run_kernel
-from .masks import CompactMask, compact_mask
+from .masks import CompactMask, compact_mask, mod_mask
+from .mods import CompiledMods, compile_mods
 from .reference import reference_attention
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
                        resolve_schedule)
@@ -40,6 +41,8 @@ def tiled_attention(
     softcap: Optional[float] = None,
     schedule: Optional[Schedule] = None,
     return_lse: bool = False,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Scaled dot-product attention, forward only, on the cuTile kernel.
 
@@ -59,6 +62,16 @@ def tiled_attention(
         schedule: kernel schedule overrides (see :class:`Schedule`); unset fields come from
             ``use_schedule`` and the default table.
         return_lse: also return the fp32 log-sum-exp ``(B, Hq, Sq)`` (natural log).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
+            signature: changes each scaled score (fp32) before masking and softmax.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the key is visible where True (and
+            where ``is_causal`` / ``window`` also allow it). Its block table (empty / partial /
+            full per tile) is built on the device once per mod and shape and reused; empty
+            tiles are skipped and full ones skip the mod. ``q_idx`` is the query row
+            (0 .. Sq-1) and ``kv_idx`` the key (0 .. Skv-1), as in FlexAttention. Both mods
+            run in the kernel (see :mod:`hf_tiled_attention.mods` for what they may contain)
+            and in the reference path; ready-made ones are in
+            :mod:`hf_tiled_attention.variants`. Eager calls only (not under torch.compile).
 
     Returns:
         ``out`` ``(B, Hq, Sq, D)`` in the input dtype, or ``(out, lse)``. A query row with no
@@ -67,10 +80,29 @@ def tiled_attention(
     check_inputs(query, key, value)
     check_options(is_causal, scale, window, softcap, schedule, return_lse)
     diag_offset = key.shape[2] - query.shape[2]
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap)
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
-                         schedule=schedule, return_lse=return_lse)
+                         schedule=schedule, return_lse=return_lse, mods=mods)
     return (out, lse) if return_lse else out
+
+
+def _checked_mods(score_mod, mask_mod, attn_mask, softcap) -> CompiledMods:
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")
+    if mask_mod is not None and attn_mask is not None:
+        raise ValueError("pass either attn_mask or mask_mod, not both (a dense mask can be "
+                         "read by a mask_mod that indexes it)")
+    if score_mod is not None and softcap is not None:
+        raise ValueError("pass either softcap or score_mod, not both (variants.softcap(cap) is "
+                         "softcap as a score_mod, to compose with others)")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("score_mod / mask_mod run in eager calls only; call "
+                                  "tiled_attention outside torch.compile")
+    return compile_mods(score_mod, mask_mod)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,7 +110,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scale: Optional[float],
               window: Optional[int], softcap: Optional[float], diag_offset: int,
               schedule: Optional[Schedule] = None, return_lse: bool = True,
-              key_mask_table: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+              key_mask_table: bool = True, mods: Optional[CompiledMods] = None,
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
     ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
     caches whose keys extend past the current queries). ``attn_mask`` may also be a
@@ -86,12 +119,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     layers so its tile tables are built once; ``key_mask_table=False`` skips that table for a
     key-vector mask used once (the kernel then applies it on every key tile it visits).
     Returns ``(out, lse)``; ``lse`` is None unless ``return_lse`` (a kernel that skips it saves
-    an allocation and its stores)."""
+    an allocation and its stores). ``mods``: a translated score_mod / mask_mod (eager only)."""
     batch, heads_q, seq_q, head_dim = query.shape
     mask = attn_mask
-    if attn_mask is not None and not isinstance(attn_mask, CompactMask):
+    if mods is not None and mods.mask_mod is not None:
+        mask = mod_mask(mods, batch, heads_q, seq_q, key.shape[2], query.device)
+    elif attn_mask is not None and not isinstance(attn_mask, CompactMask):
         mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
-    if mask is not None and mask.tensor.device != query.device:
+    if isinstance(mask, CompactMask) and mask.tensor.device != query.device:
         raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
                          f"{mask.tensor.device}")
     if scale is None:
@@ -99,11 +134,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    mask_tensor = None if mask is None else mask.tensor
-    mask_kind = 0 if mask is None else mask.kind
     schedule = schedule or _NO_OVERRIDES
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value))):
+    if mods is None and (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value)))):
+        mask_tensor = None if mask is None else mask.tensor
+        mask_kind = 0 if mask is None else mask.kind
         # Traced graphs need the registered op (fake impl); so does autograd (its backward
         # raises the forward-only error).
         out, lse = torch.ops.hf_tiled_attention.attention(
@@ -112,8 +147,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
+    if mods is not None and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value)):
+        _backward(None, None, None)  # forward-only: the same error as the custom op's backward
     return _forward(query, key, value, mask, causal, float(scale), window or None,
-                    softcap or None, int(diag_offset), schedule, return_lse, key_mask_table)
+                    softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
+                    mods)
 
 
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
@@ -132,6 +171,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
              softcap: Optional[float], diag_offset: int, explicit: Schedule,
              return_lse: bool, key_mask_table: bool = True,
+             mods: Optional[CompiledMods] = None,
              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
     The LSE is None when not ``return_lse`` (the kernel path skips it)."""
@@ -140,18 +180,19 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if query.numel():
             _warn_reference_once(device)
         out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
-                                       window=window, softcap=softcap, diag_offset=diag_offset)
+                                       window=window, softcap=softcap, diag_offset=diag_offset,
+                                       score_mod=None if mods is None else mods.score_mod)
         return out, (lse if return_lse else None)
     # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
     # step of a static-cache decode) reuses the first call's.
     memo_key = (query.shape, key.shape, query.dtype, device,
                 None if mask is None else mask.layout, causal, scale, window, softcap,
                 diag_offset, explicit, active_override(), return_lse, key_mask_table,
-                autotune.state())
+                autotune.state(), mods)
     plan = _plans.get(memo_key)
     if plan is None:
         plan = _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset,
-                     explicit, return_lse, key_mask_table)
+                     explicit, return_lse, key_mask_table, mods)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[memo_key] = plan
@@ -163,7 +204,7 @@ _MAX_PLANS = 4096
 
 
 def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, explicit,
-          return_lse, key_mask_table) -> LaunchPlan:
+          return_lse, key_mask_table, mods=None) -> LaunchPlan:
     """The launch plan of a call: the default table's schedule (or the autotuner's, which may
     time candidates on this call's inputs first) under the call's overrides."""
     device = query.device
@@ -173,7 +214,7 @@ def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, 
         return plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
                            softcap=softcap, diag_offset=diag_offset, schedule=schedule,
                            return_lse=return_lse, sm_count=_sm_count(device),
-                           key_mask_table=key_mask_table)
+                           key_mask_table=key_mask_table, mods=mods)
 
     tuned = None
     if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():

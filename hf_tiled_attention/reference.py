@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from .masks import ADDITIVE, CompactMask
+from .masks import ADDITIVE, CompactMask, ModMask
+from .mods import index_grid
 
 QUERY_CHUNK = 256
 KEY_CHUNK = 512
@@ -21,8 +22,9 @@ KEY_CHUNK = 512
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         mask: Optional[CompactMask], *, causal: bool, scale: float,
                         window: Optional[int], softcap: Optional[float], diag_offset: int,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(out (B, Hq, Sq, D) in query's dtype, lse (B, Hq, Sq) fp32)``."""
+                        score_mod=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out (B, Hq, Sq, D) in query's dtype, lse (B, Hq, Sq) fp32)``. ``mask`` may be
+    a :class:`ModMask` (a mask_mod); ``score_mod`` changes the scaled scores before masking."""
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
@@ -33,7 +35,7 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     out_grouped = out.unflatten(1, (heads_kv, group))
     lse_grouped = lse.unflatten(1, (heads_kv, group))
     mask_t = None
-    if mask is not None:
+    if isinstance(mask, CompactMask):
         mask_t = mask.tensor
         if mask.headed:
             mask_t = mask_t.unflatten(1, (heads_kv, group))
@@ -61,6 +63,12 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, cq, ck)
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
+            if score_mod is not None or isinstance(mask, ModMask):
+                b_idx, h_idx, q_idx, kv_idx = index_grid(
+                    batch, (heads_kv, group), torch.arange(q0, q1, device=query.device),
+                    torch.arange(k0, k1, device=query.device))
+            if score_mod is not None:
+                s = torch.broadcast_to(score_mod(s, b_idx, h_idx, q_idx, kv_idx), s.shape)
             cols = torch.arange(k0, k1, device=query.device)[None, :]
             visible = torch.ones_like(cols, dtype=torch.bool)
             if causal:
@@ -70,6 +78,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 if not causal:
                     visible = visible & (cols < pos + window)
             s = s.masked_fill(~visible, -math.inf)
+            if isinstance(mask, ModMask):
+                s = s.masked_fill(~mask.mods.mask_mod(b_idx, h_idx, q_idx, kv_idx), -math.inf)
             if mask_t is not None:
                 m = mask_t[..., k0:k1]
                 if mask.per_row:

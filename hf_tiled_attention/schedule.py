@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
-_BOOL_FIELDS = ("heavy_first", "pack_gqa", "split_head_dim", "persistent")
+_BOOL_FIELDS = ("heavy_first", "pack_gqa", "split_head_dim")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,6 @@ class Schedule:
         split_head_dim: a head dim that is a power of two plus a smaller one (80 = 64 + 16,
             96 = 64 + 32, 160 = 128 + 32) runs as two tiles instead of one zero-padded to the
             next power of two (which does 1.6x the MMA work at 80). Other head dims are padded.
-        persistent: launch about one wave of blocks (SMs x occupancy) that loop over the query
-            tiles in launch order, instead of one block per tile.
     """
 
     tile_m: Optional[int] = None
@@ -61,7 +59,6 @@ class Schedule:
     kv_splits: Optional[int] = None
     pack_gqa: Optional[bool] = None
     split_head_dim: Optional[bool] = None
-    persistent: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -134,10 +131,9 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
 # eval/results/<gpu>/; other archs use the sm_90 entries.
 _BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
                  k_latency=2, v_latency=4, heavy_first=True,
-                 # perf-notes: key splits and GQA packing (step 7) and the persistent grid
-                 # (step 13) lost on the H200 where it matters and stay off; the head-dim
-                 # split (step 9) won.
-                 kv_splits=1, pack_gqa=False, split_head_dim=True, persistent=False)
+                 # perf-notes: key splits and GQA packing for long queries (step 7) lost on the
+                 # H200 and stay off; the head-dim split (step 9) won.
+                 kv_splits=1, pack_gqa=False, split_head_dim=True)
 # One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
 _ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
 # Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.

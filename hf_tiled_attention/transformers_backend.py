@@ -42,26 +42,27 @@ and a tensor of fixed shape is the one thing that crosses into the compiled step
 recompile per step (an object's identity or a Python int that changes per step would not). The
 kernel applies it on every key tile it visits, with no per-tile table to rebuild per layer.
 
-The attention function additionally builds a per-document ``(B, 1, Sq, Skv)`` mask for packed
-sequences signalled only through its kwargs (``cu_seq_lens_q/k`` from
-``DataCollatorWithFlattening``, or restarting ``position_ids`` when transformers did not already
-mask them because a cache was passed). A user-given 4-D mask is passed to the op as is (it is
-already dense; the op keeps its broadcast dims compact).
-
-A kernel/op feature that would remove fallback 1 for packed sequences: per-token document ids
-(or ``cu_seq_lens``) for queries and keys, compared per tile like the causal rule.
+The attention function additionally separates packed sequences signalled only through its
+kwargs (``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``, or restarting ``position_ids``
+when transformers did not already mask them because a cache was passed) with a mask_mod (see
+mods.py) over per-token document ids: O(B x S) memory and a block table that skips the other
+documents' tiles. Under torch.compile (mods run in eager calls only), or combined with a dense
+or additive mask, it builds a per-document ``(B, 1, Sq, Skv)`` mask instead. A user-given 4-D
+mask is passed to the op as is (it is already dense; the op keeps its broadcast dims compact).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .checks import check_inputs
 from .masks import CompactMask, compact_mask
+from .mods import CompiledMods, ModError, compile_mods
 from .op import attention as _op_attention
+from .variants import and_masks, document_mask
 
 __all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
 
@@ -78,6 +79,7 @@ class TiledMask:
     key_mask: Optional[torch.Tensor] = None  # (B, 1, 1, Skv) bool, True = may attend
     dense: Optional[torch.Tensor] = None  # (B, 1, Sq, Skv) bool fallback, holds everything
     shape: tuple = ()  # (B, 1, Sq, Skv) of the mask it describes
+    mods: Optional[CompiledMods] = None  # overlays (packed sequences, ...) as a mask_mod
     # Per-forward memo shared by all layers that get this object (packed position_ids).
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -126,39 +128,64 @@ def _qualname(fn) -> str:
     return getattr(fn, "__qualname__", "")
 
 
-def _classify(mask_function) -> Optional[tuple[bool, Optional[int]]]:
-    """Return ``(causal, window)`` (window in the op's convention) for the patterns the kernel
-    can express itself, or ``None`` for anything else (-> dense fallback)."""
-    from transformers import masking_utils as mu
-
-    if mask_function is getattr(mu, "causal_mask_function", None):
-        return True, None
-    if mask_function is getattr(mu, "bidirectional_mask_function", None):
-        return False, None
-    # sliding_window_causal_mask_function(W) = and_masks(sliding_window_overlay(W), causal)
-    # sliding_window_bidirectional_mask_function(W) =
-    #     and_masks(sliding_window_bidirectional_overlay(W), bidirectional)
+def _and_parts(mask_function) -> tuple:
+    """The functions an ``and_masks(...)`` of transformers intersects (nested ones flattened),
+    or ``(mask_function,)``."""
     if _qualname(mask_function).startswith("and_masks."):
         parts = _closure_vars(mask_function).get("mask_functions")
-        if not isinstance(parts, tuple) or len(parts) != 2:
-            return None
-        base = [p for p in parts if p is mu.causal_mask_function
-                or p is getattr(mu, "bidirectional_mask_function", None)]
-        overlay = [p for p in parts if p not in base]
-        if len(base) != 1 or len(overlay) != 1:
-            return None
-        window = _closure_vars(overlay[0]).get("sliding_window")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            return None
-        name = _qualname(overlay[0])
-        if base[0] is mu.causal_mask_function and name.startswith("sliding_window_overlay."):
-            # kv_idx > q_idx - W: exactly the op's window W.
-            return True, window
-        if (base[0] is not mu.causal_mask_function
-                and name.startswith("sliding_window_bidirectional_overlay.")):
-            # |q_idx - kv_idx| <= W: the op's symmetric window is |d| < W', so W' = W + 1.
-            return False, window + 1
-    return None
+        if isinstance(parts, tuple) and all(callable(p) for p in parts):
+            return tuple(q for p in parts for q in _and_parts(p))
+    return (mask_function,)
+
+
+def _classify(mask_function) -> Optional[tuple[bool, Optional[int], tuple]]:
+    """``(causal, window, overlays)`` for a transformers mask pattern: the base (causal or
+    bidirectional) and sliding window the kernel applies itself (window in the op's
+    convention), and the other functions it is intersected with (packed sequences, chunked
+    attention, ...: empty for the plain patterns); ``None`` when there is no single base."""
+    from transformers import masking_utils as mu
+
+    bases = {mu.causal_mask_function: True}
+    if getattr(mu, "bidirectional_mask_function", None) is not None:
+        bases[mu.bidirectional_mask_function] = False
+    parts = _and_parts(mask_function)
+    base = [p for p in parts if p in bases]
+    if len(base) != 1:
+        return None
+    causal = bases[base[0]]
+    window, overlays = None, []
+    for part in parts:
+        if part is base[0]:
+            continue
+        size = _closure_vars(part).get("sliding_window")
+        name = _qualname(part)
+        sized = not isinstance(size, bool) and isinstance(size, int) and size >= 1
+        if window is None and sized and causal and name.startswith("sliding_window_overlay."):
+            window = size  # kv_idx > q_idx - W: exactly the op's window W
+        elif (window is None and sized and not causal
+              and name.startswith("sliding_window_bidirectional_overlay.")):
+            window = size + 1  # |q_idx - kv_idx| <= W: the op's symmetric |d| < W + 1
+        else:
+            overlays.append(part)
+    return causal, window, tuple(overlays)
+
+
+def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor]):
+    """The overlays (and the key padding) as one translated mask_mod, or None when one of them
+    cannot run in the kernel (it then takes the dense fallback). transformers' mask functions
+    have FlexAttention's signature; at offsets 0 their indices are the op's."""
+    parts = list(overlays)
+    if pad is not None:
+        def key_padding(b, h, q_idx, kv_idx):
+            return pad[b, kv_idx]
+        parts.append(key_padding)
+    mod = parts[0]
+    for part in parts[1:]:
+        mod = and_masks(mod, part)
+    try:
+        return compile_mods(None, mod)
+    except ModError:
+        return None
 
 
 def _classify_traced(mask_function, *, local_size=None, use_vmap=False, config=None,
@@ -238,11 +265,24 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         q_offset = kwargs["cache_position"][0]
     if isinstance(kv_offset, torch.Tensor):
         kv_offset = _as_int(kv_offset)
+    overlay_mods = None
     if _compiling():
         pattern = _classify_traced(mask_function, local_size=local_size, use_vmap=use_vmap,
                                    **kwargs)
     else:
         pattern = _classify(mask_function)
+        if pattern is None or pattern[2]:
+            # Overlays (packed sequences, chunked attention, ...), or a pattern with no plain
+            # base at all (transformers remaps positions for packed rows): as a mask_mod when
+            # the indices need no offset and the functions translate; else the dense fallback.
+            if _as_int(q_offset) == 0 and kv_offset == 0:
+                parts = pattern[2] if pattern is not None else _and_parts(mask_function)
+                overlay_mods = _overlay_mods(parts, _padding_slice(
+                    attention_mask, batch_size, kv_length, kv_offset, device))
+            pattern = None if overlay_mods is None else (
+                pattern[:2] if pattern is not None else (False, None))
+        else:
+            pattern = pattern[:2]
     shape = (batch_size, 1, q_length, kv_length)
 
     def dense_fallback() -> TiledMask:
@@ -256,6 +296,9 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         # Fallback 1 (see module docstring): a pattern the kernel cannot express.
         return dense_fallback()
     causal, window = pattern
+    if overlay_mods is not None:  # the padding is in the mod
+        return TiledMask(causal=causal, window=window, diag_offset=0, shape=shape,
+                         mods=overlay_mods)
     pad = _padding_slice(attention_mask, batch_size, kv_length, kv_offset, device)
     compiling = _compiling()
 
@@ -328,6 +371,53 @@ def _doc_mask_from_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, seq_q: int
     return visible[None, None]
 
 
+def _packed_mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, seq_q: int, seq_kv: int,
+                     causal: bool, window: Optional[int], key_mask: Optional[torch.Tensor],
+                     overlay: Optional[Callable] = None) -> Callable:
+    """The same rule as :func:`_doc_mask_from_cu_seqlens` as a mask_mod over per-token vectors
+    (document, local key position, each query's diagonal): O(Sq + Skv) memory. ``key_mask``
+    (1, 1, 1, Skv) hides padded keys; ``overlay``, a mask_mod, is intersected with it."""
+    device = cu_q.device
+    cu_q = cu_q.to(torch.long)
+    cu_k = cu_k.to(device=device, dtype=torch.long)
+    rows = torch.arange(seq_q, device=device)
+    cols = torch.arange(seq_kv, device=device)
+    last = max(cu_q.numel() - 2, 0)
+    doc_q = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, last)
+    doc_k = (torch.searchsorted(cu_k, cols, right=True) - 1).clamp(0, last)
+    local_k = (cols - cu_k[doc_k]).to(torch.int32)
+    shift = (cu_k[doc_q + 1] - cu_k[doc_q]) - (cu_q[doc_q + 1] - cu_q[doc_q])
+    diag = (rows - cu_q[doc_q] + shift).to(torch.int32)
+    # Tokens past the last boundary (and padded keys) belong to no document.
+    hidden_k = cols >= cu_k[-1]
+    if key_mask is not None:
+        hidden_k = hidden_k | ~key_mask.reshape(-1)[-seq_kv:].to(device)
+    doc_q = torch.where(rows < cu_q[-1], doc_q, -1).to(torch.int32)
+    doc_k = torch.where(hidden_k, -2, doc_k).to(torch.int32)
+    width = 0 if window is None else int(window)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc_q[q_idx] == doc_k[kv_idx]
+
+    def causal_rule(b, h, q_idx, kv_idx):
+        return local_k[kv_idx] <= diag[q_idx]
+
+    def window_behind(b, h, q_idx, kv_idx):
+        return local_k[kv_idx] > diag[q_idx] - width
+
+    def window_ahead(b, h, q_idx, kv_idx):
+        return local_k[kv_idx] < diag[q_idx] + width
+
+    mod = same_document
+    if causal:
+        mod = and_masks(mod, causal_rule)
+    if window is not None:
+        mod = and_masks(mod, window_behind)
+        if not causal:
+            mod = and_masks(mod, window_ahead)
+    return mod if overlay is None else and_masks(overlay, mod)
+
+
 def _doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, S) document index per token: a new document starts wherever the position does not
     continue the previous one by exactly 1."""
@@ -370,13 +460,15 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
     mask: Optional[torch.Tensor]
     memo: Optional[dict] = None
+    mods = None  # a translated mask_mod: overlays from the mask function, packed documents
     if isinstance(attention_mask, TiledMask):
         causal, window = attention_mask.causal, attention_mask.window
         diag_offset = attention_mask.diag_offset
         mask = attention_mask.tensor
-        has_padding = attention_mask.key_mask is not None
+        has_padding = attention_mask.key_mask is not None or attention_mask.mods is not None
         is_dense = attention_mask.dense is not None
         memo = attention_mask._memo
+        mods = attention_mask.mods
     elif attention_mask is None:
         # No mask from transformers (e.g. a mask builder that early-exited): trust the module.
         causal = is_causal
@@ -414,39 +506,47 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if batch != 1:
             raise ValueError("cu_seq_lens_q/k describe one flattened sequence, so the batch size "
                              f"must be 1, got {batch}")
-        doc_mask = _remembered(memo, "cu", (cu_q, cu_k), lambda: _doc_mask_from_cu_seqlens(
-            cu_q, cu_k, seq_q, seq_kv, causal, window))
-        if mask is None:
-            mask = doc_mask
-        elif mask.dtype == torch.bool:
-            mask = doc_mask & mask
-        else:  # additive: keep its biases, hide other documents
-            mask = mask.masked_fill(~doc_mask, float("-inf"))  # holds the causal/window rules per document
-        causal, window, diag_offset = False, None, 0
+        if not is_dense and not _compiling():
+            # Eager: the documents as a mask_mod over per-token vectors (a key padding mask
+            # folded in), no dense mask.
+            overlay = None if mods is None else mods.mask_mod
+            mods = _remembered(memo, "cu_mods", (cu_q, cu_k, mask), lambda: compile_mods(
+                None, _packed_mask_mod(cu_q, cu_k, seq_q, seq_kv, causal, window, mask,
+                                       overlay)))
+            mask = None
+        else:
+            doc_mask = _remembered(memo, "cu", (cu_q, cu_k), lambda: _doc_mask_from_cu_seqlens(
+                cu_q, cu_k, seq_q, seq_kv, causal, window))
+            if mask is None:
+                mask = doc_mask
+            elif mask.dtype == torch.bool:
+                mask = doc_mask & mask
+            else:  # additive: keep its biases, hide other documents
+                mask = mask.masked_fill(~doc_mask, float("-inf"))
+        causal, window, diag_offset = False, None, 0  # the documents' rule holds them
     elif (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and not is_dense
           and not has_padding and seq_q == seq_kv and seq_q > 1 and diag_offset == 0
           and not _compiling()):
         # Restarting position_ids mark packed documents (FlashAttention's convention, used when
         # no padding mask exists). transformers masks them itself when no cache is passed (we
-        # then get a dense mask and skip this); with a cache it would not.
-        def documents() -> Optional[torch.Tensor]:
+        # then get a dense mask and skip this); with a cache it would not. The documents become
+        # a mask_mod over their ids (the kernel's causal/window flags still apply).
+        def documents():
             pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
             if pos.shape == (batch, seq_q):
                 ids = _doc_ids_from_position_ids(pos)
                 if bool((ids[:, -1] != 0).any()):
-                    return (ids[:, :, None] == ids[:, None, :])[:, None]
+                    return compile_mods(None, document_mask(ids, causal=False))
             return None
 
-        doc_mask = _remembered(memo, "pos", (position_ids,), documents)
-        if doc_mask is not None:
-            mask = doc_mask
+        mods = _remembered(memo, "pos", (position_ids,), documents)
 
     if mask is not None:
         mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
     # A per-tile table pays off only when the forward's layers share it (through the memo).
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
                            window=window, softcap=softcap, diag_offset=diag_offset,
-                           return_lse=False, key_mask_table=memo is not None)
+                           return_lse=False, key_mask_table=memo is not None, mods=mods)
     return out.transpose(1, 2), None
 
 

@@ -8,6 +8,7 @@ import transformers
 
 import hf_tiled_attention
 from hf_tiled_attention import transformers_backend as tb
+from hf_tiled_attention.mods import index_grid
 from models import ALL_MODELS, SLIDING_MODELS, build, make_config, padded_batch, pair
 
 ATOL = 1e-4
@@ -115,12 +116,61 @@ def test_mask_function_outputs():
     m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4,
                       mask_function=mu.bidirectional_mask_function)
     assert (m.causal, m.window, m.key_mask, m.dense) == (False, None, None, None)
-    # unknown pattern (e.g. packed documents): dense fallback equal to sdpa's mask
+    # an overlay (packed documents, chunks, ...) runs as a mask_mod next to the kernel's causal
+    # rule, the padding folded in; together they are sdpa's mask
     fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2) == (k // 2))
+    m = tb.tiled_mask(batch_size=2, q_length=5, kv_length=5, mask_function=fn,
+                      attention_mask=pad)
+    want = mu.sdpa_mask(batch_size=2, q_length=5, kv_length=5, mask_function=fn,
+                        attention_mask=pad, allow_is_causal_skip=False)
+    assert m.causal and m.dense is None and m.key_mask is None and m.mods is not None
+    b, h, q, k = index_grid(2, (1,), torch.arange(5), torch.arange(5))
+    assert torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q), want)
+    # an overlay the kernel cannot run (a method call), or one at a cache offset: dense
+    fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2).eq(k // 2))
     m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
     want = mu.sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn,
                         allow_is_causal_skip=False)
     assert not m.causal and m.dense is not None and torch.equal(m.dense, want)
+    fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2) == (k // 2))
+    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=4, mask_function=fn)
+    assert m.dense is not None and m.mods is None
+
+
+@pytest.mark.parametrize("pattern", ["chunked", "packed", "blockwise"])
+def test_transformers_overlays_become_mask_mods(pattern):
+    """transformers' own overlays (Llama 4 chunks with left padding, packed sequences, block
+    ids) translate into the kernel's mask_mod: no dense mask, and the same visibility as the
+    mask sdpa gets. Each compiles for sm_90."""
+    from transformers import masking_utils as mu
+
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
+    overlay = {
+        "chunked": lambda: mu.chunked_overlay(4, torch.tensor([2, 0])),
+        "packed": lambda: mu.packed_sequence_mask_function(
+            torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1, 1]])),
+        "blockwise": lambda: mu.blockwise_overlay(
+            torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2, 2]])),
+    }[pattern]()
+    fn = mu.and_masks(mu.causal_mask_function, overlay)
+    m = tb.tiled_mask(batch_size=2, q_length=9, kv_length=9, mask_function=fn,
+                      attention_mask=pad)
+    assert m.dense is None and m.mods is not None and m.causal
+    want = mu.sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=fn,
+                        attention_mask=pad, allow_is_causal_skip=False)
+    b, h, q, k = index_grid(2, (1,), torch.arange(9), torch.arange(9))
+    assert torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q), want)
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.masks import mod_mask
+    from hf_tiled_attention.schedule import resolve_schedule
+    query = torch.randn(2, 4, 9, 64, dtype=torch.bfloat16)
+    key = torch.randn(2, 2, 9, 64, dtype=torch.bfloat16)
+    mask = mod_mask(m.mods, 2, 4, 9, 9, torch.device("cpu"))
+    plan = plan_launch(query, key, mask, causal=True, scale=0.125, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, query.dtype, 64, True),
+                       return_lse=False, mods=m.mods)
+    assert export_cubin(plan, query, key, mask, arch="sm_90")[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("name", SLIDING_MODELS)

@@ -115,3 +115,34 @@ def test_split_across_two_gpus(name, tmp_path):
         out = tiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              pad_token_id=0)
     assert out.shape == (2, 58)
+
+
+def test_packed_16k_tokens_without_a_dense_mask():
+    """A 16k-token packed row (cu_seq_lens, as DataCollatorWithFlattening passes them): each
+    document matches its own unpacked run, and the forward's extra memory stays far below one
+    dense (1, 1, 16k, 16k) bool mask (256 MiB)."""
+
+    model = _on_gpu("llama", "tiled", torch.bfloat16)
+    lengths = [3000, 5000, 2384, 6000]
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(3, 128, (n,), generator=g).cuda() for n in lengths]
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        packed = model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(lengths), max_length_k=max(lengths),
+                       use_cache=False).logits[0].float()
+        peak = torch.cuda.max_memory_allocated() - base
+        logits_bytes = packed.numel() * 2
+        assert peak - 3 * logits_bytes < 64 * 2**20, f"extra peak {peak / 2**20:.0f} MiB"
+        start = 0
+        for doc in docs:
+            alone = model(doc[None], use_cache=False).logits[0].float()
+            err = (packed[start:start + len(doc)] - alone).abs().max().item()
+            assert err <= BASE_TOL[torch.bfloat16], (start, err)
+            start += len(doc)

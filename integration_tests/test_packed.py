@@ -72,3 +72,34 @@ def test_cu_seq_lens_alone_isolate_documents():
     # first document is unaffected by the position shift; later ones differ from the unpacked run
     torch.testing.assert_close(mono[:LENGTHS[0]], packed[:LENGTHS[0]], atol=1e-4, rtol=0)
     assert (mono[LENGTHS[0]:] - crossing[LENGTHS[0]:]).abs().max() > 1e-3
+
+
+def test_packed_documents_reach_the_op_as_a_mask_mod(monkeypatch):
+    """Every packed-sequence signal reaches the op as a mask_mod over per-token ids, never as
+    a dense (B, 1, Sq, Skv) mask."""
+    import hf_tiled_attention.transformers_backend as backend
+
+    seen = []
+    real = backend._op_attention
+
+    def spy(query, key, value, mask, **kwargs):
+        seen.append((mask, kwargs.get("mods")))
+        return real(query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(backend, "_op_attention", spy)
+    tiled = build("llama", "tiled")
+    docs = _docs(9)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
+    with torch.no_grad():
+        tiled(ids, position_ids=pos, use_cache=True)    # the adapter reads position_ids
+        tiled(ids, position_ids=pos, use_cache=False)   # transformers' packed-sequence overlay
+        tiled(ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS),
+              max_length_k=max(LENGTHS), use_cache=False)
+    assert len(seen) == 6  # two layers, three forwards
+    for mask, mods in seen:
+        assert mods is not None and mods.mask_mod is not None
+        assert mask is None
+        assert all(t.numel() <= ids.shape[1] for t in mods.captures)  # O(S) per-token vectors
+    assert seen[0][1] is seen[1][1]  # one translation per forward, shared by its layers

@@ -14,8 +14,9 @@ import torch
 
 
 def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None, window=None,
-               softcap=None):
-    """fp64 SDPA with the op's semantics; returns (out, lse)."""
+               softcap=None, score_mod=None, mask_mod=None):
+    """fp64 SDPA with the op's semantics; returns (out, lse). Mods are applied to the whole
+    (B, Hq, Sq, Skv) score matrix at once, on broadcasting index tensors."""
     q, k, v = (t.double() for t in (query, key, value))
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -25,6 +26,12 @@ def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None
     s = q @ k.transpose(-1, -2) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    b_idx = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+    h_idx = torch.arange(q.shape[1], device=q.device)[None, :, None, None]
+    q_idx = torch.arange(seq_q, device=q.device)[:, None]
+    kv_idx = torch.arange(seq_kv, device=q.device)[None, :]
+    if score_mod is not None:
+        s = torch.broadcast_to(score_mod(s, b_idx, h_idx, q_idx, kv_idx), s.shape)
     i = torch.arange(seq_q, device=q.device)[:, None] + (seq_kv - seq_q)
     j = torch.arange(seq_kv, device=q.device)[None, :]
     visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=q.device)
@@ -34,6 +41,8 @@ def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None
         visible &= j > i - window
         if not is_causal:
             visible &= j < i + window
+    if mask_mod is not None:
+        visible = visible & mask_mod(b_idx, h_idx, q_idx, kv_idx)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             visible = visible & attn_mask

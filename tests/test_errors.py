@@ -80,7 +80,7 @@ def test_bad_schedules(kwargs, pattern):
         hta.Schedule(**kwargs)
 
 
-@pytest.mark.parametrize("field", ["heavy_first", "pack_gqa", "split_head_dim", "persistent"])
+@pytest.mark.parametrize("field", ["heavy_first", "pack_gqa", "split_head_dim"])
 def test_schedule_flags_must_be_bool(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool"):
         hta.Schedule(**{field: 1})

@@ -67,9 +67,6 @@ FEATURES = [
     pytest.param(torch.bfloat16, 160, {}, id="bf16-d160-split-all"),   # 128 + 32, 128x128 tiles
     pytest.param(torch.float16, 96, dict(causal=False, window=None, softcap=None, mask=None),
                  id="fp16-d96-split-plain"),
-    # a fixed grid of blocks that loop over the tiles, with every feature
-    pytest.param(torch.bfloat16, 128, dict(schedule=Schedule(persistent=True)),
-                 id="bf16-d128-persistent-all"),
     # decode: a kv head's query heads packed into a 64-row tile, keys split over blocks
     pytest.param(torch.bfloat16, 128, DECODE, id="bf16-d128-decode-packed-split"),
 ]
@@ -157,19 +154,6 @@ def test_decode_splits_fill_the_gpu():
                             diag_offset=131071, schedule=schedule, return_lse=False,
                             sm_count=132)
     assert big_batch.kv_splits == 1 and big_batch.merge is None  # 256 blocks fill it already
-
-
-def test_persistent_plan_launches_one_wave():
-    plan, _ = _plan(torch.bfloat16, 128, sm_count=132, schedule=Schedule(persistent=True))
-    occupancy = plan.variant.occupancy
-    assert plan.grid == (132 * occupancy, 1, 1) and plan.variant.constants.PERSISTENT is True
-    # fewer tiles than one wave: one block per tile
-    small, _ = _plan(torch.bfloat16, 128, seq_q=64, heads_q=8, sm_count=132, mask=None,
-                     schedule=Schedule(persistent=True, tile_m=64))
-    assert small.grid == (8 * 2, 1, 1)
-    # the SM count unknown (meta tensors): one block per tile, still correct
-    unknown, _ = _plan(torch.bfloat16, 128, schedule=Schedule(persistent=True, tile_m=64))
-    assert unknown.grid == (16 * 32 * 2, 1, 1)
 
 
 def test_head_dim_split_reaches_the_kernel():

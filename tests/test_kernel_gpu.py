@@ -158,18 +158,6 @@ def test_decode_key_mask_without_table():
         assert (lse[keep].double() - want_lse[keep]).abs().max().item() <= 1e-2
 
 
-@pytest.mark.parametrize("schedule", [
-    Schedule(persistent=True), Schedule(persistent=True, tile_m=128, tile_n=128, num_worker_warps=8),
-    Schedule(persistent=True, pack_gqa=True, kv_splits=0), Schedule(persistent=True, kv_splits=3),
-], ids=str)
-def test_persistent_grid_agrees(schedule):
-    for case in (Case(causal=True, seq_q=700, seq_kv=700, mask="bool_keypad", head_dim=128),
-                 Case(batch=3, heads_q=12, heads_kv=4, seq_q=300, seq_kv=1000, window=200),
-                 Case(batch=3, heads_q=12, heads_kv=4, seq_q=1, seq_kv=3001, causal=True),
-                 Case(seq_q=64, seq_kv=64, causal=True, head_dim=80)):
-        check_case(case, torch.bfloat16, schedule=schedule)
-
-
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_forced_key_splits_agree(splits):
     """Key splits (short queries only: at most 16 rows) with masks, windows, softcap and a

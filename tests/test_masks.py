@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_tiled_attention.masks import compact_mask, tile_states
+from hf_tiled_attention.masks import compact_mask, mod_mask, tile_ranges, tile_states
+from hf_tiled_attention.mods import compile_mods, index_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -49,7 +50,31 @@ def test_tile_states_additive_full_needs_zero_bias():
 
 def test_compact_mask_memoises_its_tables():
     compact = compact_mask(torch.rand(2, 1, 1, 300) < 0.5, 2, 4, 16, 300)
-    first = compact.states(64, 128)
-    assert compact.states(64, 128) is first            # built once for every layer
-    other = compact.states(64, 64)
-    assert other is not first and other.shape[-1] == 5
+    first = compact.block_table(64, 128)
+    assert compact.block_table(64, 128) is first       # built once for every layer
+    other = compact.block_table(64, 64)
+    assert other is not first and other.states.shape[-1] == 5
+
+
+def test_tile_ranges_cover_the_non_empty_tiles():
+    states = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2]],
+                          dtype=torch.int8)[None, None]
+    assert tile_ranges(states).tolist() == [[[[1, 5], [6, 6], [0, 6]]]]
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 64), (16, 32)])
+def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
+    """A mask_mod's block table, built from the mod a few tiles at a time, is the table of the
+    dense mask it describes (per batch row and head where the mod depends on them)."""
+    ids = torch.sort(torch.randint(0, 4, (2, 300), generator=torch.Generator().manual_seed(0)),
+                     dim=1).values
+
+    def mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & ((h == 0) | (q_idx >= kv_idx))
+
+    mods = compile_mods(None, mod)
+    table = mod_mask(mods, 2, 3, 200, 300, torch.device("cpu")).block_table(tile_m, tile_n)
+    b, h, q, kv = index_grid(2, (3,), torch.arange(200), torch.arange(300))
+    dense = compact_mask(mod(b, h, q, kv), 2, 3, 200, 300)
+    assert torch.equal(table.states, tile_states(dense, tile_m, tile_n))
+    assert torch.equal(table.ranges, tile_ranges(table.states))

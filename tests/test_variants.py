@@ -1,0 +1,170 @@
+"""CPU: score_mod / mask_mod through the reference path against the fp64 definition, the
+variants' patterns against plain loops, the translation's errors, and every variant's kernel
+compiling for sm_90."""
+
+import warnings
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from hf_tiled_attention import variants
+from hf_tiled_attention.mods import ModError, compile_mods
+from semantics import definition
+from variant_cases import VARIANT_CASES, make_variant_inputs
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _no_reference_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.name)
+def test_variant_reference_matches_definition(case, dtype):
+    q, k, v, kwargs = make_variant_inputs(case, "cpu", dtype)
+    out, lse = hta.tiled_attention(q, k, v, return_lse=True, **kwargs)
+    want_out, want_lse = definition(q, k, v, **kwargs)
+    torch.testing.assert_close(out.double(), want_out, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    empty = want_lse.isinf()
+    assert torch.equal(lse.isinf(), empty)
+    assert (out[empty] == 0).all(), "rows with no visible key must be exactly 0"
+    torch.testing.assert_close(lse[~empty].double(), want_lse[~empty], atol=1e-4, rtol=1e-4)
+
+
+def _pattern(mask_mod, batch, seq):
+    b, q, kv = (torch.arange(batch)[:, None, None, None], torch.arange(seq)[:, None],
+                torch.arange(seq)[None, :])
+    return torch.broadcast_to(mask_mod(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), q, kv),
+                              (batch, 1, seq, seq))[:, 0]
+
+
+def test_variant_patterns_match_loops():
+    seq = 40
+    cases = {
+        "sinks": (variants.sliding_window_with_sinks(8, 2),
+                  lambda b, i, j: j <= i and (i - j < 8 or j < 2)),
+        "chunked": (variants.chunked_attention(16), lambda b, i, j: j <= i and i // 16 == j // 16),
+        "prefix": (variants.prefix_lm(torch.tensor([5, 0])), lambda b, i, j: j < (5, 0)[b] or j <= i),
+        "documents": (variants.document_mask(variants.document_ids_from_cu_seqlens(
+            torch.tensor([0, 10, 11, 40]))),
+            lambda b, i, j: j <= i and (i < 10) == (j < 10) and (i == 10) == (j == 10)),
+        "window": (variants.sliding_window(8), lambda b, i, j: 0 <= i - j < 8),
+    }
+    for name, (mod, rule) in cases.items():
+        got = _pattern(mod, 2, seq)
+        want = torch.tensor([[[rule(b, i, j) for j in range(seq)] for i in range(seq)]
+                             for b in range(2)])
+        assert torch.equal(got, want), name
+
+
+def test_alibi_slopes_and_t5_buckets():
+    torch.testing.assert_close(variants.alibi_slopes(8), torch.tensor(
+        [2.0 ** -(i + 1) for i in range(8)]))
+    assert variants.alibi_slopes(12).shape == (12,)
+    buckets = variants.relative_position_buckets(4, 300)   # relative -3 .. 299
+    assert buckets.dtype == torch.int32 and buckets.shape == (303,)
+    assert buckets[3] == 0 and int(buckets.max()) <= 31    # relative 0 -> bucket 0
+    assert buckets[3 + 1] == 17 and buckets[3 - 1] == 1    # +1: the upper half, -1: the lower
+
+
+def test_translation_shares_kernels_between_equal_closures():
+    first = compile_mods(variants.alibi(variants.alibi_slopes(8)), variants.causal_mask)
+    second = compile_mods(variants.alibi(variants.alibi_slopes(8)), variants.causal_mask)
+    assert first.key == second.key and first.captures[0] is not second.captures[0]
+    other = compile_mods(variants.softcap(20.0), None)
+    assert other.key != compile_mods(variants.softcap(30.0), None).key  # constants are code
+
+
+def _with_list(b, h, q_idx, kv_idx):
+    return q_idx >= LIMITS[0]
+
+
+LIMITS = [3]
+
+
+def _with_method(b, h, q_idx, kv_idx):
+    return q_idx.abs() >= kv_idx
+
+
+def _with_unknown_torch(score, b, h, q_idx, kv_idx):
+    return torch.erf(score)
+
+
+def test_mod_errors_name_the_problem():
+    slopes = torch.ones(4)
+
+    def unindexed(score, b, h, q_idx, kv_idx):
+        return score + slopes
+
+    def three_args(b, h, q_idx):
+        return q_idx >= 0
+
+    with pytest.raises(ModError, match="captured 'LIMITS' is a list"):
+        compile_mods(None, _with_list)
+    with pytest.raises(ModError, match="attribute access"):
+        compile_mods(None, _with_method)
+    with pytest.raises(ModError, match="torch.erf is not available"):
+        compile_mods(_with_unknown_torch, None)
+    with pytest.raises(ModError, match="'slopes' must be indexed"):
+        compile_mods(unindexed, None)
+    with pytest.raises(ModError, match="mask_mod must take 4 arguments"):
+        compile_mods(None, three_args)
+    q = k = v = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="either attn_mask or mask_mod"):
+        hta.tiled_attention(q, k, v, torch.ones(8, 8, dtype=torch.bool),
+                            mask_mod=variants.causal_mask)
+    with pytest.raises(ValueError, match="either softcap or score_mod"):
+        hta.tiled_attention(q, k, v, softcap=5.0, score_mod=variants.softcap(5.0))
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        hta.tiled_attention(q, k, v, score_mod=3)
+
+
+def test_lambda_mods_translate():
+    mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    assert "q_idx >= kv_idx" in open(compile_mods(None, mod).path).read()
+
+
+def test_kernel_copy_with_mods_keeps_the_signature():
+    """A launch compiles the copy from its annotations (which parameters are constants): the
+    copy must declare exactly what the kernel does."""
+    import inspect
+
+    pytest.importorskip("cuda.tile")
+    from hf_tiled_attention.kernel import attention_forward
+    from hf_tiled_attention.launch import _kernel_with_mods
+
+    mods = compile_mods(variants.softcap(5.0), variants.causal_mask)
+    copy = _kernel_with_mods(mods.module)._pyfunc
+    original = attention_forward._pyfunc
+    assert inspect.signature(copy) == inspect.signature(original)
+    assert copy.__annotations__ == original.__annotations__
+    assert copy.__globals__["_score_mod"] is mods.module.score_mod
+    assert copy.__globals__["_attend_tile"].__globals__ is copy.__globals__
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.name)
+def test_variant_kernel_compiles_sm90(case):
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.masks import mod_mask
+    from hf_tiled_attention.schedule import resolve_schedule
+
+    q, k, _, kwargs = make_variant_inputs(case, "cpu", torch.bfloat16)
+    mods = compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"))
+    mask = None if mods.mask_mod is None else mod_mask(
+        mods, case.batch, case.heads_q, case.seq_q, case.seq_kv, torch.device("cpu"))
+    causal = kwargs.get("is_causal", False)
+    schedule = resolve_schedule(None, 9, q.dtype, case.head_dim, causal, seq_q=case.seq_q,
+                                seq_kv=case.seq_kv)
+    plan = plan_launch(q, k, mask, causal=causal, scale=0.125, window=None, softcap=None,
+                       diag_offset=case.seq_kv - case.seq_q, schedule=schedule,
+                       return_lse=True, mods=mods)
+    assert plan.variant.constants.SCORE_MOD == (mods.score_mod is not None)
+    cubin = export_cubin(plan, q, k, mask, arch="sm_90")
+    assert cubin[:4] == b"\x7fELF"
