@@ -100,6 +100,27 @@ def test_profile_decode_step_cpu(tmp_path):
     assert not profile_decode_step.is_attention_kernel("nvjet_sm90_tst_64x8")
 
 
+def test_variants_bench_cpu(tmp_path):
+    from eval import variants_bench
+    assert variants_bench.main(["--variants", "builtin-causal", "alibi", "documents",
+                                "--seq", "192", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert list(rows[0]) == variants_bench.COLUMNS
+    assert [(r["variant"], r["dtype"]) for r in rows] == [
+        (v, d) for d in ("bf16", "fp16") for v in ("builtin-causal", "alibi", "documents")]
+    assert all(r["status"] == "ok" and float(r["max_err"]) < 5e-2 for r in rows)
+    # causal: half the pairs (plus the diagonal); documents: far fewer
+    visible = {r["variant"]: float(r["visible"]) for r in rows}
+    assert abs(visible["alibi"] - 0.5) < 0.01 and visible["documents"] < 0.3
+    assert (tmp_path / "variants.png").exists()
+    # --append keeps the rows and adds its own environment entry
+    assert variants_bench.main(["--variants", "sinks", "--dtype", "bf16", "--seq", "192",
+                                "--append", "--out", str(tmp_path)]) == 0
+    assert len(read_csv(tmp_path / "kernel_sweep.csv")) == len(rows) + 1
+    environment = json.loads((tmp_path / "environment.json").read_text())
+    assert {"kernel_sweep", "kernel_sweep_run2"} <= set(environment)
+
+
 def _tiny_model_with_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
