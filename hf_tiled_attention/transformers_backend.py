@@ -62,7 +62,7 @@ from .checks import check_inputs
 from .masks import CompactMask, compact_mask
 from .mods import CompiledMods, ModError, compile_mods
 from .op import attention as _op_attention
-from .variants import and_masks, document_mask
+from .variants import and_masks, document_mask, or_masks
 
 __all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
 
@@ -170,11 +170,26 @@ def _classify(mask_function) -> Optional[tuple[bool, Optional[int], tuple]]:
     return causal, window, tuple(overlays)
 
 
+def _as_mod(mask_function) -> Callable:
+    """``mask_function`` with transformers' ``and_masks`` / ``or_masks`` (a loop, which the
+    translator does not take) rebuilt from the variants' two-argument ones, recursively."""
+    for prefix, combine in (("and_masks.", and_masks), ("or_masks.", or_masks)):
+        if _qualname(mask_function).startswith(prefix):
+            parts = _closure_vars(mask_function).get("mask_functions")
+            if isinstance(parts, tuple) and parts and all(callable(p) for p in parts):
+                mods = [_as_mod(p) for p in parts]
+                combined = mods[0]
+                for mod in mods[1:]:
+                    combined = combine(combined, mod)
+                return combined
+    return mask_function
+
+
 def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor]):
     """The overlays (and the key padding) as one translated mask_mod, or None when one of them
     cannot run in the kernel (it then takes the dense fallback). transformers' mask functions
     have FlexAttention's signature; at offsets 0 their indices are the op's."""
-    parts = list(overlays)
+    parts = [_as_mod(part) for part in overlays]
     if pad is not None:
         def key_padding(b, h, q_idx, kv_idx):
             return pad[b, kv_idx]
