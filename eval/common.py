@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import itertools
 import json
+import math
 import platform
 import re
 import shlex
@@ -171,3 +172,44 @@ def parse_schedules(specs: list[str]) -> list[Schedule | None]:
             raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
         axes.append([(name, Schedule.parse_field(name, v)) for v in values.split(",")])
     return [Schedule(**dict(combo)) for combo in itertools.product(*axes)]
+
+
+def first_call(fn, args: tuple, row: dict, refusals: tuple = (RuntimeError,)):
+    """Runs a backend once (synchronised on a GPU) and returns its output, or None after
+    marking ``row`` ``oom`` or ``unsupported`` (a backend that refuses a shape raises one of
+    ``refusals``) with the reason."""
+    try:
+        out = fn(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return out
+    except torch.cuda.OutOfMemoryError as exc:
+        row.update(status="oom", reason=str(exc).splitlines()[0][:160])
+    except refusals as exc:
+        row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
+    return None
+
+
+def checked(row: dict, err: float, bound: float) -> bool:
+    """Records a backend's max abs error in ``row``; False (row marked ``wrong``) past
+    ``bound``."""
+    row["max_err"] = f"{err:.3g}"
+    if not math.isfinite(err) or err > bound:
+        row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
+        return False
+    return True
+
+
+def timed(row: dict, fn, arg_sets: list, flops: float, warmup: int, reps: int):
+    """One call's median latency (``ms``, ``tflops``) and, on a GPU, calls back to back
+    (``gpu_ms``, ``gpu_tflops``) into ``row``; returns gpu_ms (None without a GPU)."""
+    from hf_tiled_attention.timing import back_to_back_ms, median_ms
+
+    cuda = torch.cuda.is_available()
+    ms = median_ms(fn, arg_sets, cuda=cuda, warmup=warmup, reps=reps)
+    row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
+    if not cuda:
+        return None
+    gpu_ms = back_to_back_ms(fn, arg_sets, reps=max(1, reps // 5))
+    row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}")
+    return gpu_ms

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention.masks import compact_mask  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
-from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
-from eval.common import (DTYPES, ResultsWriter, label_lengths, parse_heads,  # noqa: E402
-                         parse_schedules, results_dir, save_figure)
+from eval.common import (DTYPES, ResultsWriter, checked, first_call,  # noqa: E402
+                         label_lengths, parse_heads, parse_schedules, results_dir, save_figure,
+                         timed)
 
 BACKENDS = ["tiled", "sdpa_auto", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
             "eager"]
@@ -188,32 +188,17 @@ def run_point(dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal, 
                    schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", gpu_ms="",
                    gpu_tflops="", gpu_kv_tbs="", max_err="", status="ok", reason="")
         fn = make_call(backend, causal, schedule, window, key_mask, visible)
-        try:
-            out = fn(*sets[0])
-            if device == "cuda":
-                torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError as exc:
-            row.update(status="oom", reason=str(exc).splitlines()[0][:160])
-            yield row
-            continue
-        except RuntimeError as exc:  # SDPA backends refuse shapes with a RuntimeError
-            row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
+        out = first_call(fn, sets[0], row)  # SDPA backends refuse shapes with a RuntimeError
+        if out is None:
             yield row
             continue
         err = torch.where(seen, out[:1].float() - want, 0.0).abs().max().item()
         del out
-        row["max_err"] = f"{err:.3g}"
-        if not math.isfinite(err) or err > bound:
-            row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
-            yield row
-            continue
-        ms = median_ms(fn, sets, cuda=device == "cuda", warmup=args.warmup, reps=args.reps)
-        row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
-        if device == "cuda":
-            gpu_ms = back_to_back_ms(fn, sets, reps=max(1, args.reps // 5))
-            row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}",
-                       gpu_kv_tbs=f"{kv_bytes / gpu_ms / 1e9:.4g}")
-            torch.cuda.empty_cache()
+        if checked(row, err, bound):
+            gpu_ms = timed(row, fn, sets, flops, args.warmup, args.reps)
+            if gpu_ms is not None:
+                row.update(gpu_kv_tbs=f"{kv_bytes / gpu_ms / 1e9:.4g}")
+                torch.cuda.empty_cache()
         yield row
 
 

@@ -29,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention import variants as V  # noqa: E402
 from hf_tiled_attention.mods import index_grid  # noqa: E402
-from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
-from eval.common import (DTYPES, ResultsWriter, label_lengths, parse_heads,  # noqa: E402
-                         results_dir, save_figure)
+from eval.common import (DTYPES, ResultsWriter, checked, first_call,  # noqa: E402
+                         label_lengths, parse_heads, results_dir, save_figure, timed)
 
 COLUMNS = ["variant", "backend", "dtype", "batch", "heads_q", "heads_kv", "seq", "head_dim",
            "visible", "ms", "tflops", "gpu_ms", "gpu_tflops", "max_err", "status", "reason"]
@@ -160,32 +159,16 @@ def run_point(variant, dtype, batch, heads_q, heads_kv, seq, head_dim, backends,
                    gpu_ms="", gpu_tflops="", max_err="", status="ok", reason="")
         if backend == "flex" and variant == "builtin-causal":
             continue  # flex's causal is the "causal" variant
-        try:
-            fn = make_call(backend, mods, batch, heads_q, seq, device)
-            out = fn(q, k, v)
-            if device == "cuda":
-                torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError as exc:
-            row.update(status="oom", reason=str(exc).splitlines()[0][:160])
-            yield row
-            continue
-        except Exception as exc:  # a backend that cannot run the variant says why
-            row.update(status="unsupported", reason=" ".join(str(exc).split())[:160])
+        fn = make_call(backend, mods, batch, heads_q, seq, device)
+        # Any error: a backend that cannot run a variant (a mod flex or cuTile rejects) says why.
+        out = first_call(fn, (q, k, v), row, refusals=(Exception,))
+        if out is None:
             yield row
             continue
         err = (out[:, :, -want.shape[2]:].float() - want).abs().max().item()
         del out
-        row["max_err"] = f"{err:.3g}"
-        if not math.isfinite(err) or err > bound:
-            row.update(status="wrong", reason=f"max abs err {err:.3g} > {bound}")
-            yield row
-            continue
-        ms = median_ms(fn, [(q, k, v)], cuda=device == "cuda", warmup=args.warmup,
-                       reps=args.reps)
-        row.update(ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.4g}")
-        if device == "cuda":
-            gpu_ms = back_to_back_ms(fn, [(q, k, v)], reps=max(1, args.reps // 5))
-            row.update(gpu_ms=f"{gpu_ms:.4f}", gpu_tflops=f"{flops / gpu_ms / 1e9:.4g}")
+        if checked(row, err, bound):
+            timed(row, fn, [(q, k, v)], flops, args.warmup, args.reps)
         yield row
     if device == "cuda":
         torch.cuda.empty_cache()

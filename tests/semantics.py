@@ -227,3 +227,19 @@ def check_nan_pattern(out, lse, want_out, want_lse, tolerance: float,
     empty = want_lse.isinf() & fine
     assert torch.equal(lse.isinf() & fine, empty)
     assert (out.double()[empty] == 0).all(), "rows with no visible key must be exactly 0"
+
+
+def assert_matches_definition(out, lse, want_out, want_lse, *, atol: float, lse_atol: float):
+    """out / lse of the op against the fp64 definition's: finite, within ``atol`` (max abs),
+    rows with no visible key exactly 0 with LSE -inf, the other LSEs within ``lse_atol``."""
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN/inf in the output: unwritten or broken rows"
+    err = (out.double() - want_out).abs().max().item()
+    assert err <= atol, f"max abs err {err:.3g} > {atol}"
+    empty = want_lse.isinf()
+    assert torch.equal(lse.isinf(), empty)
+    assert (out[empty] == 0).all(), "rows with no visible key must be exactly 0"
+    if (~empty).any():
+        lse_err = (lse[~empty].double() - want_lse[~empty]).abs().max().item()
+        assert lse_err <= lse_atol, f"lse err {lse_err:.3g} > {lse_atol}"
