@@ -12,7 +12,7 @@ O(Sq x Skv).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,21 @@ class BlockTable(NamedTuple):
     (Bm, Hm, n_m, 2) int32: each query tile's first and end key tile that is not empty."""
     states: torch.Tensor
     ranges: torch.Tensor
+
+
+def position_visibility(pos: torch.Tensor, keys: torch.Tensor, causal: bool,
+                        window: Optional[int]) -> torch.Tensor:
+    """The op's causal / sliding-window rule (kernel.py applies the same in cuTile): whether
+    key ``keys`` is visible from a query at key position ``pos`` (broadcasting tensors)."""
+    visible = torch.ones(torch.broadcast_shapes(pos.shape, keys.shape), dtype=torch.bool,
+                         device=keys.device)
+    if causal:
+        visible = visible & (keys <= pos)
+    if window is not None:
+        visible = visible & (keys > pos - window)
+        if not causal:
+            visible = visible & (keys < pos + window)
+    return visible
 
 
 def tile_ranges(states: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .masks import ADDITIVE, CompactMask, ModMask
+from .masks import ADDITIVE, CompactMask, ModMask, position_visibility
 from .mods import index_grid
 
 QUERY_CHUNK = 256
@@ -70,14 +70,7 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             if score_mod is not None:
                 s = torch.broadcast_to(score_mod(s, b_idx, h_idx, q_idx, kv_idx), s.shape)
             cols = torch.arange(k0, k1, device=query.device)[None, :]
-            visible = torch.ones_like(cols, dtype=torch.bool)
-            if causal:
-                visible = visible & (cols <= pos)
-            if window is not None:
-                visible = visible & (cols > pos - window)
-                if not causal:
-                    visible = visible & (cols < pos + window)
-            s = s.masked_fill(~visible, -math.inf)
+            s = s.masked_fill(~position_visibility(pos, cols, causal, window), -math.inf)
             if isinstance(mask, ModMask):
                 s = s.masked_fill(~mask.mods.mask_mod(b_idx, h_idx, q_idx, kv_idx), -math.inf)
             if mask_t is not None:

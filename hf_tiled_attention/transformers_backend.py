@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .checks import check_inputs
-from .masks import CompactMask, compact_mask
+from .masks import CompactMask, compact_mask, position_visibility
 from .mods import CompiledMods, ModError, compile_mods
 from .op import attention as _op_attention
 from .variants import and_masks, document_mask, or_masks
@@ -325,13 +325,7 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         # of the step. A plain tensor is what the attention function takes as a full mask.
         kv_pos = torch.arange(kv_length, device=device) + kv_offset
         q_pos = q_offset.to(device).reshape(())
-        visible = torch.ones(kv_length, dtype=torch.bool, device=device)
-        if causal:
-            visible = visible & (kv_pos <= q_pos)
-            if window is not None:
-                visible = visible & (kv_pos > q_pos - window)
-        elif window is not None:
-            visible = visible & ((kv_pos - q_pos).abs() < window)
+        visible = position_visibility(q_pos, kv_pos, causal, window)
         visible = visible.expand(batch_size, kv_length)
         if pad is not None:
             visible = visible & pad
@@ -357,41 +351,22 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 def _doc_mask_from_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, seq_q: int, seq_kv: int,
                               causal: bool, window: Optional[int]) -> torch.Tensor:
-    """(1, 1, Sq, Skv) bool: per-document (bottom-right aligned per document, like FlashAttention
-    varlen) causal/window mask. Tokens past the last boundary see nothing."""
-    device = cu_q.device
-    cu_q = cu_q.to(torch.long)
-    cu_k = cu_k.to(device=device, dtype=torch.long)
-    rows = torch.arange(seq_q, device=device)
-    cols = torch.arange(seq_kv, device=device)
-    doc_q = torch.searchsorted(cu_q, rows, right=True) - 1
-    doc_k = torch.searchsorted(cu_k, cols, right=True) - 1
-    n_docs = cu_q.numel() - 1
-    valid_q = rows < cu_q[-1]
-    valid_k = cols < cu_k[-1]
-    doc_q_c = doc_q.clamp(0, max(n_docs - 1, 0))
-    doc_k_c = doc_k.clamp(0, max(n_docs - 1, 0))
-    local_q = rows - cu_q[doc_q_c]
-    local_k = cols - cu_k[doc_k_c]
-    # Diagonal per document (query document's lengths): local key <= local query + (Lk - Lq).
-    shift = (cu_k[doc_q_c + 1] - cu_k[doc_q_c]) - (cu_q[doc_q_c + 1] - cu_q[doc_q_c])
-    pos = (local_q + shift)[:, None]
-    visible = (doc_q[:, None] == doc_k[None, :]) & valid_q[:, None] & valid_k[None, :]
-    if causal:
-        visible = visible & (local_k[None, :] <= pos)
-    if window is not None:
-        visible = visible & (local_k[None, :] > pos - window)
-        if not causal:
-            visible = visible & (local_k[None, :] < pos + window)
-    return visible[None, None]
+    """(1, 1, Sq, Skv) bool: :func:`_packed_mask_mod`'s rule as a dense mask (for calls a mod
+    cannot serve: traced, or with a dense or additive mask)."""
+    mod = _packed_mask_mod(cu_q, cu_k, seq_q, seq_kv, causal, window, None)
+    rows = torch.arange(seq_q, device=cu_q.device)[:, None]
+    cols = torch.arange(seq_kv, device=cu_q.device)[None, :]
+    return mod(0, 0, rows, cols)[None, None]
 
 
 def _packed_mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, seq_q: int, seq_kv: int,
                      causal: bool, window: Optional[int], key_mask: Optional[torch.Tensor],
                      overlay: Optional[Callable] = None) -> Callable:
-    """The same rule as :func:`_doc_mask_from_cu_seqlens` as a mask_mod over per-token vectors
-    (document, local key position, each query's diagonal): O(Sq + Skv) memory. ``key_mask``
-    (1, 1, 1, Skv) hides padded keys; ``overlay``, a mask_mod, is intersected with it."""
+    """Packed documents (FlashAttention varlen's rule: each document's causal / window diagonal
+    bottom-right aligned to its own lengths; tokens past the last boundary see nothing) as a
+    mask_mod over per-token vectors (document, local key position, each query's diagonal):
+    O(Sq + Skv) memory. ``key_mask`` (1, 1, 1, Skv) hides padded keys; ``overlay``, a mask_mod,
+    is intersected with it."""
     device = cu_q.device
     cu_q = cu_q.to(torch.long)
     cu_k = cu_k.to(device=device, dtype=torch.long)

@@ -91,8 +91,9 @@ def test_profile_decode_step_cpu(tmp_path):
     rows = read_csv(tmp_path / "decode_step_profile.csv")
     assert list(rows[0]) == profile_decode_step.COLUMNS
     assert [r["backend"] for r in rows] == ["tiled", "sdpa"]
-    # CPU: wall and host times only (no GPU columns), the attention range seen on every step.
-    assert all(float(r["step_ms"]) > 0 and float(r["host_attention_ms"]) > 0
+    # CPU: wall and host times only (no GPU columns); the attention range was recorded (its
+    # per-step value is a difference of two timed runs: noisy at this size, so not checked).
+    assert all(float(r["step_ms"]) > 0 and r["host_attention_ms"] != ""
                and r["gpu_busy_ms"] == "" for r in rows)
     listing = (tmp_path / "decode_step_kernels.txt").read_text()
     assert "## tiled batch 1 prompt 16: host self-time" in listing
