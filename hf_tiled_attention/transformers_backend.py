@@ -24,12 +24,17 @@ description instead of an ``O(Sq x Skv)`` tensor:
   so ``diag_offset = q_offset - kv_offset``. This one number covers DynamicCache
   (bottom-right), StaticCache (its prefill has K/V longer than the prompt: position aligned),
   sliding-window caches, chunked prefill and assisted decoding (``Sq > 1`` with a cache).
+* ``mods``: the parts of a wrapped pattern (packed sequences detected from restarting
+  ``position_ids``, ``or_mask_function`` / ``and_mask_function`` overlays such as Gemma 3's
+  bidirectional image blocks, ``block_sequence_ids``, Llama 4's chunks, any user pattern)
+  translated into one mask_mod (mods.py) with the padding folded in: transformers' mask
+  functions have FlexAttention's signature, and their ``and_masks`` / ``or_masks`` are rebuilt
+  from the variants' (:func:`_as_mod`). The plain base (causal, a sliding window) stays the
+  kernel's own rule where :func:`_classify` finds one. Eager calls at offset 0 only.
 * ``dense``: a full ``(B, 1, Sq, Skv)`` bool mask, used ONLY where no compact form exists:
-    1. the mask pattern is not plain causal / sliding-causal / bidirectional /
-       sliding-bidirectional, i.e. transformers wrapped it: packed sequences detected from
-       restarting ``position_ids`` (per-document masks), ``or_mask_function`` /
-       ``and_mask_function`` overlays (e.g. bidirectional image tokens), ``block_sequence_ids``,
-       chunked attention (Llama 4), or any user-supplied pattern;
+    1. a wrapped pattern that ``mods`` cannot take: under ``torch.compile`` (mods run in eager
+       calls only), at a cache offset (the functions see absolute positions), or with a
+       function the translator rejects (a method call, a loop);
     2. under ``torch.compile`` with a StaticCache and ``Sq > 1`` (compiled chunked prefill), where
        the query offset is a traced tensor that cannot become the kernel's integer diagonal
        without a graph break.
