@@ -9,6 +9,7 @@ dispatch without a GPU. :func:`launch_arrays` builds the arrays a launch passes 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .masks import ADDITIVE, MOD, CompactMask, ModMask
-from .mods import CompiledMods
+from .mods import CompiledMods, ModError
 from .schedule import DECODE_QUERY_ROWS, Schedule, head_dim_parts
 
 LOG2E = 1.0 / math.log(2.0)
@@ -441,8 +442,9 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     stream = torch._C._cuda_getCurrentRawStream(device.index)
 
     def launch():
-        ct.launch(stream, plan.grid, plan_kernel(plan),
-                  arrays.attention + plan.scalars + plan.variant.constants)
+        with _errors_name_the_mods(plan):  # the first launch compiles
+            ct.launch(stream, plan.grid, plan_kernel(plan),
+                      arrays.attention + plan.scalars + plan.variant.constants)
         if arrays.merge is not None:
             ct.launch(stream, plan.merge_grid, merge_kernel(),
                       arrays.merge + (plan.kv_splits,) + plan.merge)
@@ -453,6 +455,22 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
         with torch.cuda.device(device):
             launch()
     return arrays.out, arrays.lse
+
+
+@contextlib.contextmanager
+def _errors_name_the_mods(plan: LaunchPlan):
+    """A cuTile compile error in a kernel copy with user mods names the mods and the generated
+    module it came from (else it points into kernel.py)."""
+    try:
+        yield
+    except Exception as exc:
+        mods = plan.variant.mods
+        if mods is None or not type(exc).__module__.startswith("cuda.tile"):
+            raise
+        names = ", ".join(f"{role} {fn.__qualname__}" for role, fn in (
+            ("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)) if fn is not None)
+        raise ModError(f"{names} did not compile in the cuTile kernel (generated code: "
+                       f"{mods.path}): {type(exc).__name__}: {exc}") from exc
 
 
 def _array_constraint(tensor: torch.Tensor):
@@ -522,5 +540,6 @@ def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     else:
         raise ValueError(f"kernel must be 'attention' or 'merge', got {kernel!r}")
     buffer = io.BytesIO()
-    export_kernel(compiled, [signature], buffer, gpu_code=arch, output_format="cubin")
+    with _errors_name_the_mods(plan):
+        export_kernel(compiled, [signature], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()

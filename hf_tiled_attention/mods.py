@@ -42,7 +42,7 @@ MASK_MOD_PARAMS = ("b", "h", "q_idx", "kv_idx")
 TORCH_TO_CT = {"where": "where", "tanh": "tanh", "exp": "exp", "exp2": "exp2", "log": "log",
                "log2": "log2", "abs": "abs", "sqrt": "sqrt", "minimum": "minimum",
                "maximum": "maximum", "floor": "floor", "ceil": "ceil", "sin": "sin",
-               "cos": "cos", "sigmoid": "sigmoid"}
+               "cos": "cos"}
 CAPTURES = "_captures"  # the generated functions' extra parameter: the captured arrays
 CACHE_ENV = "HF_TILED_ATTENTION_CACHE_DIR"
 
@@ -313,6 +313,14 @@ class _Rewriter(ast.NodeTransformer):
                        f"{ast.unparse(node)!r} is not supported in a mod")
 
     def visit_Call(self, node: ast.Call):
+        if (isinstance(node.func, ast.Name) and node.func.id == "float"
+                and node.func.id not in self.locals and len(node.args) == 1 and not node.keywords
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).strip().lower() in ("inf", "-inf", "+inf")):
+            # float("-inf"), as FlexAttention mods often write it: a constant
+            value = float(node.args[0].value)
+            return ast.copy_location(ast.parse(f"{'-' if value < 0 else ''}math.inf",
+                                               mode="eval").body, node)
         new = self.generic_visit(node)
         if isinstance(new.func, ast.Name) and new.func.id.startswith("_fn"):
             new.args.append(ast.Name(CAPTURES, ast.Load()))  # a translated function

@@ -115,9 +115,57 @@ def test_mod_errors_name_the_problem():
         hta.tiled_attention(q, k, v, score_mod=3)
 
 
+def _rejected_by_cutile(score, b, h, q_idx, kv_idx, captures):
+    return {"a dict": score}["a dict"]
+
+
+def test_kernel_compile_errors_name_the_mod():
+    """A mod that translates but that cuTile rejects: the error names the mod and the
+    generated module (here the generated function is swapped for one cuTile cannot compile)."""
+    import types
+
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.mods import CompiledMods
+    from hf_tiled_attention.schedule import resolve_schedule
+
+    good = compile_mods(variants.softcap(7.0), None)
+    module = types.ModuleType("broken_mods")
+    module.score_mod = _rejected_by_cutile
+    broken = CompiledMods(good.score_mod, None, "broken", module, (), good.path)
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    plan = plan_launch(q, q, None, causal=False, scale=0.1, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
+                       return_lse=False, mods=broken)
+    with pytest.raises(ModError, match="score_mod softcap.<locals>.score_mod did not compile"):
+        export_cubin(plan, q, q, None, arch="sm_90")
+
+
 def test_lambda_mods_translate():
     mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
     assert "q_idx >= kv_idx" in open(compile_mods(None, mod).path).read()
+
+
+def _hide_odd_keys(score, b, h, q_idx, kv_idx):
+    return torch.where(kv_idx % 2 == 0, score, -float("inf"))
+
+
+def test_float_inf_becomes_a_constant():
+    text = open(compile_mods(_hide_odd_keys, None).path).read()
+    assert "ct.where(kv_idx % 2 == 0, score, -math.inf)" in text
+    q = torch.randn(1, 2, 8, 16)
+    out = hta.tiled_attention(q, q, q, score_mod=_hide_odd_keys)
+    want, _ = definition(q, q, q, score_mod=_hide_odd_keys)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.schedule import resolve_schedule
+    q = q.to(torch.bfloat16)
+    mods = compile_mods(_hide_odd_keys, None)
+    plan = plan_launch(q, q, None, causal=False, scale=0.25, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 16, False),
+                       return_lse=False, mods=mods)
+    assert export_cubin(plan, q, q, None, arch="sm_90")[:4] == b"\x7fELF"
 
 
 def test_kernel_copy_with_mods_keeps_the_signature():
