@@ -11,6 +11,8 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 * ``tokens_per_s``: new tokens per second after the first, ``batch * (new_tokens - 1)`` over the
   median time of the full call minus the time to first token (the decode steps).
 
+The backends take turns rep by rep, so slow phases of the host fall on all of them alike.
+
 ``--cache static`` is ``cache_implementation="static"``: transformers compiles the decode step
 (torch.compile, CUDA graphs) on the first call, which the warm-up absorbs. ``eager`` runs only
 where its O(S^2) attention scores fit (``skipped`` otherwise); a run out of memory is ``oom``.
@@ -59,19 +61,50 @@ def timed_generate(model, ids, new_tokens: int, cache: str) -> float:
 
 
 @torch.inference_mode()
-def measure(model, ids, new_tokens: int, cache: str, warmup: int,
-            reps: int) -> tuple[float, float, float]:
-    """(time to first token ms, new tokens/s after the first, peak GiB)."""
-    if ids.is_cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):  # compiles the static cache's decode step, warms up the kernels
-        timed_generate(model, ids, new_tokens, cache)
-    first = statistics.median(timed_generate(model, ids, 1, cache) for _ in range(reps))
-    full = statistics.median(timed_generate(model, ids, new_tokens, cache) for _ in range(reps))
-    rate = ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else float("nan")
-    return first * 1e3, rate, peak
+def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
+            reps: int) -> dict:
+    """Per backend (time to first token ms, new tokens/s after the first, peak GiB), or the
+    first line of its out-of-memory error. The backends take turns rep by rep (tiled, sdpa,
+    eager, tiled, ...), so a slow phase of the host (whose run-to-run swings exceed the
+    backends' difference: perf-notes step 22) falls on all of them alike."""
+    firsts = {name: [] for name in models}
+    fulls = {name: [] for name in models}
+    peaks = dict.fromkeys(models, 0.0)
+    failed: dict = {}
+
+    def run(name, count):
+        try:
+            if ids.is_cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            timings = [(timed_generate(models[name], ids, 1, cache),
+                        timed_generate(models[name], ids, new_tokens, cache))
+                       for _ in range(count)]
+            if ids.is_cuda:
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**30)
+            return timings
+        except torch.cuda.OutOfMemoryError as exc:
+            failed[name] = str(exc).splitlines()[0][:120]
+            return []
+
+    for name in models:  # warm-up (compiles the static cache's decode step)
+        run(name, warmup)
+    for _ in range(reps):
+        for name in models:
+            if name not in failed:
+                for first, full in run(name, 1):
+                    firsts[name].append(first)
+                    fulls[name].append(full)
+    results = {}
+    for name in models:
+        if name in failed:
+            results[name] = failed[name]
+            continue
+        first = statistics.median(firsts[name])
+        full = statistics.median(fulls[name])
+        rate = ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
+        results[name] = (first * 1e3, rate, peaks[name])
+    return results
 
 
 def eager_fits(config, batch: int, prompt: int) -> bool:
@@ -136,8 +169,8 @@ def main(argv=None) -> int:
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be at least 2 (the rate is taken after the first "
                          f"token), got {args.new_tokens}")
-    if min(args.batch or [1]) < 1 or min(args.prompt or [1]) < 1:
-        raise SystemExit("--batch and --prompt take positive sizes")
+    if min(args.batch or [1]) < 1 or min(args.prompt or [1]) < 1 or args.reps < 1:
+        raise SystemExit("--batch, --prompt and --reps take positive numbers")
     on_gpu, device, dtype = model_device("generate")
     shapes = args.shapes or (["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     batches = args.batch or ([1, 8, 32] if on_gpu else [1, 2])
@@ -159,24 +192,26 @@ def main(argv=None) -> int:
             models, built = build_models(args.backends, config, dtype, device), shape
         gen = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(3, config.vocab_size, (batch, prompt), generator=gen).to(device)
-        for backend, model in models.items():
+        runnable = {name: model for name, model in models.items()
+                    if name != "eager" or eager_fits(config, batch, prompt)}
+        measured = measure(runnable, ids, args.new_tokens, cache, args.warmup, args.reps)
+        for backend in models:
             row = dict(model=shape, layers=layers, backend=backend, cache=cache, batch=batch,
                        prompt=prompt, new_tokens=args.new_tokens, ttft_ms="", tokens_per_s="",
                        peak_gib="", status="ok", reason="")
-            if backend == "eager" and not eager_fits(config, batch, prompt):
+            result = measured.get(backend)
+            if result is None:
                 row.update(status="skipped", reason="eager's O(S^2) attention scores do not fit")
+            elif isinstance(result, str):
+                row.update(status="oom", reason=result)
             else:
-                try:
-                    ttft, rate, peak = measure(model, ids, args.new_tokens, cache, args.warmup,
-                                               args.reps)
-                    row.update(ttft_ms=f"{ttft:.1f}", tokens_per_s=f"{rate:.1f}",
-                               peak_gib=f"{peak:.2f}" if on_gpu else "")
-                except torch.cuda.OutOfMemoryError as exc:
-                    row.update(status="oom", reason=str(exc).splitlines()[0][:120])
-                if on_gpu:
-                    torch.cuda.empty_cache()
+                ttft, rate, peak = result
+                row.update(ttft_ms=f"{ttft:.1f}", tokens_per_s=f"{rate:.1f}",
+                           peak_gib=f"{peak:.2f}" if on_gpu else "")
             results.add(row)
             print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
+        if on_gpu:
+            torch.cuda.empty_cache()
     csv_path = results.finish(extra={"dtype": str(dtype)})
     print(f"csv: {csv_path}\nplot: {plot(results.rows, out_dir)}")
     return 0
