@@ -229,9 +229,7 @@ class ModMask:
             all_visible = (visible | ~inside).reshape(tiles).all(dim=5).all(dim=3)
             parts.append(torch.where(all_visible, TILE_FULL,
                                      torch.where(any_visible, TILE_PARTIAL, TILE_EMPTY)))
-        states = torch.cat(parts, dim=2).to(torch.int8)
-        states = states[:1 if not self.batched else None, :1 if not self.headed else None]
-        return _with_ranges(states.contiguous())
+        return _with_ranges(torch.cat(parts, dim=2).to(torch.int8).contiguous())
 
 
 # ModMasks by (mods, captured tensors' identity and version, shape, device): the layers of a

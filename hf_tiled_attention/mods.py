@@ -29,7 +29,6 @@ import os
 import sys
 import textwrap
 import types
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -70,7 +69,8 @@ class CompiledMods:
 
 
 def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> CompiledMods:
-    """Translates the mods (memoised per function object while its captures stay the same)."""
+    """Translates the mods (memoised per pair of function objects while their captures stay
+    the same)."""
     memo_key = (score_mod, mask_mod)
     cached = _memo.get(memo_key)
     if cached is not None and all(cell_ok() for cell_ok in cached[1]):
@@ -88,28 +88,16 @@ def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) ->
     module, path = _load_generated(key, source)
     compiled = CompiledMods(score_mod, mask_mod, key, module, tuple(translator.captures),
                             path)
+    if len(_memo) >= _MAX_MEMO:
+        _memo.clear()
     _memo[memo_key] = (compiled, translator.guards)
     return compiled
 
 
-class _Memo:
-    """(score_mod, mask_mod) -> (CompiledMods, guards), held weakly by the functions."""
-
-    def __init__(self):
-        self._entries: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-    def get(self, key):
-        score_mod, mask_mod = key
-        anchor = score_mod if score_mod is not None else mask_mod
-        return self._entries.get(anchor, {}).get(key)
-
-    def __setitem__(self, key, value):
-        score_mod, mask_mod = key
-        anchor = score_mod if score_mod is not None else mask_mod
-        self._entries.setdefault(anchor, {})[key] = value
-
-
-_memo = _Memo()
+# (score_mod, mask_mod) -> (CompiledMods, guards). Bounded: the transformers adapter makes new
+# closures (holding per-forward tensors) every forward.
+_memo: dict = {}
+_MAX_MEMO = 256
 
 
 def _load_generated(key: str, source: str) -> tuple[types.ModuleType, str]:
@@ -141,6 +129,11 @@ class _Translator:
         self.guards: list[Callable[[], bool]] = []   # "the captures are still the same"
         self._functions: dict[int, str] = {}          # id(fn) -> generated name
         self._slots: dict[int, int] = {}              # id(tensor) -> capture slot
+
+    @property
+    def generated(self) -> set:
+        """The names of the functions translated so far (calls to them get the captures)."""
+        return set(self._functions.values())
 
     def function(self, fn: Callable, role: str, params: Optional[tuple] = None) -> str:
         """The generated name of ``fn`` (translated once per translator)."""
@@ -255,11 +248,8 @@ class _Rewriter(ast.NodeTransformer):
         if node.id in self.locals or not isinstance(node.ctx, ast.Load):
             return node
         value = self._lookup(node.id, node)
-        if isinstance(value, bool) or isinstance(value, (int, float)):
-            if isinstance(value, float) and not math.isfinite(value):
-                return ast.parse(f"math.{'inf' if value > 0 else '-inf'}"
-                                 if not math.isnan(value) else "math.nan", mode="eval").body
-            return ast.copy_location(ast.Constant(value), node)
+        if isinstance(value, (bool, int, float)):
+            return _number(value, node)
         if value is math or value is torch:
             return node
         if value in (min, max, abs):
@@ -318,15 +308,21 @@ class _Rewriter(ast.NodeTransformer):
                 and isinstance(node.args[0], ast.Constant)
                 and str(node.args[0].value).strip().lower() in ("inf", "-inf", "+inf")):
             # float("-inf"), as FlexAttention mods often write it: a constant
-            value = float(node.args[0].value)
-            return ast.copy_location(ast.parse(f"{'-' if value < 0 else ''}math.inf",
-                                               mode="eval").body, node)
+            return _number(float(node.args[0].value), node)
         new = self.generic_visit(node)
-        if isinstance(new.func, ast.Name) and new.func.id.startswith("_fn"):
+        if isinstance(new.func, ast.Name) and new.func.id in self.t.generated:
             new.args.append(ast.Name(CAPTURES, ast.Load()))  # a translated function
         if new.keywords:
             raise ModError(f"{self._where(node)}: keyword arguments are not supported in a mod")
         return new
+
+
+def _number(value, node: ast.AST) -> ast.expr:
+    """A captured or literal number as source: a constant, or ``math.inf`` / ``math.nan``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        text = "math.nan" if math.isnan(value) else ("-math.inf" if value < 0 else "math.inf")
+        return ast.copy_location(ast.parse(text, mode="eval").body, node)
+    return ast.copy_location(ast.Constant(value), node)
 
 
 def index_grid(batch: int, heads: tuple, rows: torch.Tensor, cols: torch.Tensor) -> tuple:

@@ -26,6 +26,10 @@ from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_til
                        resolve_schedule)
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
+FORWARD_ONLY = (
+    "hf_tiled_attention is forward-only: no backward pass exists. Use "
+    "torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa') for "
+    "training, or run inference under torch.no_grad() / torch.inference_mode().")
 _NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
 
 
@@ -149,7 +153,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # host time than a short attention call takes on the GPU.
     if mods is not None and torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value)):
-        _backward(None, None, None)  # forward-only: the same error as the custom op's backward
+        raise NotImplementedError(FORWARD_ONLY)  # mods take no custom op, hence no backward
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
                     mods)
@@ -255,10 +259,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(
-        "hf_tiled_attention is forward-only: no backward pass exists. Use "
-        "torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa') for "
-        "training, or run inference under torch.no_grad() / torch.inference_mode().")
+    raise NotImplementedError(FORWARD_ONLY)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -58,6 +58,7 @@ mask is passed to the op as is (it is already dense; the op keeps its broadcast 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -182,11 +183,7 @@ def _as_mod(mask_function) -> Callable:
         if _qualname(mask_function).startswith(prefix):
             parts = _closure_vars(mask_function).get("mask_functions")
             if isinstance(parts, tuple) and parts and all(callable(p) for p in parts):
-                mods = [_as_mod(p) for p in parts]
-                combined = mods[0]
-                for mod in mods[1:]:
-                    combined = combine(combined, mod)
-                return combined
+                return functools.reduce(combine, [_as_mod(p) for p in parts])
     return mask_function
 
 
@@ -199,11 +196,8 @@ def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor]):
         def key_padding(b, h, q_idx, kv_idx):
             return pad[b, kv_idx]
         parts.append(key_padding)
-    mod = parts[0]
-    for part in parts[1:]:
-        mod = and_masks(mod, part)
     try:
-        return compile_mods(None, mod)
+        return compile_mods(None, functools.reduce(and_masks, parts))
     except ModError:
         return None
 

@@ -71,6 +71,16 @@ def test_translation_shares_kernels_between_equal_closures():
     assert other.key != compile_mods(variants.softcap(30.0), None).key  # constants are code
 
 
+def test_translation_memo_is_bounded():
+    """Each forward of the transformers adapter makes new closures (holding its tensors): the
+    memo of translations must not keep them all."""
+    from hf_tiled_attention import mods as mods_module
+
+    for width in range(mods_module._MAX_MEMO + 10):
+        compile_mods(None, variants.sliding_window(width % 3 + 1))
+    assert len(mods_module._memo) <= mods_module._MAX_MEMO
+
+
 def _with_list(b, h, q_idx, kv_idx):
     return q_idx >= LIMITS[0]
 
