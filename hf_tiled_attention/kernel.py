@@ -29,7 +29,9 @@ Only key tiles inside the causal/window range are visited (split over ``kv_split
 when there are too few query tiles to fill the GPU, e.g. decode; merge.py combines the slices);
 inside it, tiles that need no per-element mask skip the masking work, and with a mask's per-tile
 state table (``MASK_TABLE``; 0: nothing visible, 1: partial, 2: all visible with zero bias; see
-masks.py) empty tiles are skipped and full ones are not masked. Without the table (a key vector
+masks.py) empty tiles are skipped and full ones are not masked; the query tile's longest run
+of full key tiles (from the table's ranges) is streamed without reading the table, so the loop
+over it carries no branch. Without the table (a key vector
 ``(B or 1, 1, 1, Skv)`` in a traced call, where building it per call would cost more than it
 saves) the mask is applied on every visited tile. Every tuning knob comes in as a constant from
 :class:`hf_tiled_attention.Schedule`.
@@ -90,6 +92,7 @@ def attention_forward(
     CAUSAL: ConstBool,
     WINDOWED: ConstBool,
     SOFTCAP: ConstBool,
+    APPROX_TANH: ConstBool,  # softcap's tanh: the hardware's approximate one (16-bit inputs)
     SCORE_MOD: ConstBool,    # scores pass through _score_mod
     MASK_KIND: ConstInt,     # NO_MASK, BOOL_MASK (uint8), ADDITIVE_MASK, MASK_MOD
     MASK_BATCHED: ConstBool,  # mask has a batch dim of size B (else 1)
@@ -108,14 +111,15 @@ def attention_forward(
     _query_tile(ct.bid(0), ct.bid(1), ct.bid(2), ct.num_blocks(0), Q, K, V, Out, Lse, Mask,
                 TileState, TileRange, Captures, score_scale, softcap_out, diag_offset, window,
                 kv_splits, GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED,
-                SOFTCAP, SCORE_MOD, MASK_KIND, MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE,
-                SCORE_UNIT, FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY)
+                SOFTCAP, APPROX_TANH, SCORE_MOD, MASK_KIND, MASK_BATCHED, MASK_HEADED,
+                MASK_ROWS, MASK_TABLE, SCORE_UNIT, FOLD_SCALE, WRITE_LSE, HEAVY_FIRST, K_LATENCY,
+                V_LATENCY)
 
 
 def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileState,
                 TileRange, Captures, score_scale, softcap_out, diag_offset, window, kv_splits,
                 GROUP, G_TILE, TILE_M, TILE_N, TILE_D, TAIL_D, CAUSAL, WINDOWED, SOFTCAP,
-                SCORE_MOD, MASK_KIND,
+                APPROX_TANH, SCORE_MOD, MASK_KIND,
                 MASK_BATCHED, MASK_HEADED, MASK_ROWS, MASK_TABLE, SCORE_UNIT, FOLD_SCALE,
                 WRITE_LSE, HEAVY_FIRST, K_LATENCY, V_LATENCY):
     """One output tile: query block ``block_m`` (a query tile and, with kv_splits > 1, one slice
@@ -157,18 +161,23 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
     mask_h = head if MASK_HEADED else 0
     mask_m = m_tile if MASK_ROWS else 0
     MASK_TILE_M = TILE_M if MASK_ROWS else 1
+    # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range and, with a
+    # block table, in its run of full tiles: they need no per-element mask and no table read.
+    full_lo = ct.cdiv(lo_all, TILE_N)
+    full_hi = hi_all // TILE_N
     if MASK_KIND != NO_MASK and MASK_TABLE:
         # Only the key tiles the block table has non-empty for this query tile.
-        table_lo = ct.load(TileRange, index=(mask_b, mask_h, mask_m, 0),
-                           shape=(1, 1, 1, 1)).item()
-        table_hi = ct.load(TileRange, index=(mask_b, mask_h, mask_m, 1),
-                           shape=(1, 1, 1, 1)).item()
-        first_tile = max(first_tile, table_lo)
-        end_tile = max(min(end_tile, table_hi), first_tile)
+        first_tile = max(first_tile, _table_range(TileRange, mask_b, mask_h, mask_m, 0))
+        full_lo = max(full_lo, _table_range(TileRange, mask_b, mask_h, mask_m, 1))
+        full_hi = min(full_hi, _table_range(TileRange, mask_b, mask_h, mask_m, 2))
+        end_tile = max(min(end_tile, _table_range(TileRange, mask_b, mask_h, mask_m, 3)),
+                       first_tile)
     # This block's slice of the visible key tiles (all of them unless kv_splits > 1).
     per_split = ct.cdiv(end_tile - first_tile, kv_splits)
     first_tile = min(first_tile + split * per_split, end_tile)
     end_tile = min(first_tile + per_split, end_tile)
+    full_lo = min(max(full_lo, first_tile), end_tile)
+    full_hi = max(min(full_hi, end_tile), full_lo)
 
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
     if G_TILE > 1:  # rows are (position, head) pairs, heads fastest
@@ -190,14 +199,11 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
         q_tail = load_rows(Q, batch, head, m_tile, TILE_D // TAIL_D, ROWS, G_TILE, TAIL_D)
         acc_tail = ct.full((TILE_M, TAIL_D), 0.0, dtype=ct.float32)
 
-    # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range: they skip
-    # the per-element mask (only a dense mask, if any, still applies to them).
-    full_lo = min(max(ct.cdiv(lo_all, TILE_N), first_tile), end_tile)
-    full_hi = max(min(hi_all // TILE_N, end_tile), full_lo)
     tile_args = (q, q_tail, K, V, Mask, TileState, Captures, batch, head, kv_head, mask_b, mask_h,
                  mask_m, q_idx, row_pos, col_in_tile, seq_kv, window, score_scale, softcap_out)
-    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, SCORE_MOD, MASK_KIND, MASK_TABLE, MASK_TILE_M,
-                   SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY, V_LATENCY)
+    tile_consts = (CAUSAL, WINDOWED, SOFTCAP, APPROX_TANH, SCORE_MOD, MASK_KIND, MASK_TABLE,
+                   MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
+                   V_LATENCY)
     for j in range(first_tile, full_lo):
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
                                                *tile_consts)
@@ -231,18 +237,20 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
 
 def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, Captures, batch,
                  head, kv_head, mask_b, mask_h, mask_m, q_idx, row_pos, col_in_tile, seq_kv,
-                 window, score_scale, softcap_out, GEOMETRIC_MASK, CAUSAL, WINDOWED, SOFTCAP,
-                 SCORE_MOD, MASK_KIND, MASK_TABLE,
+                 window, score_scale, softcap_out, EDGE, CAUSAL, WINDOWED, SOFTCAP,
+                 APPROX_TANH, SCORE_MOD, MASK_KIND, MASK_TABLE,
                  MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
                  V_LATENCY):
-    """One online-softmax step over key tile ``j``; returns the updated (m, l, acc, acc_tail)."""
+    """One online-softmax step over key tile ``j``; returns the updated (m, l, acc, acc_tail).
+    ``EDGE``: the tile may be partly hidden (apply the causal/window rule, read its state in
+    the block table); else it is known full."""
     state = TILE_FULL
     if MASK_KIND != NO_MASK:
-        if MASK_TABLE:
+        if not MASK_TABLE:
+            state = TILE_PARTIAL
+        elif EDGE:
             state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
                             shape=(1, 1, 1, 1)).item()
-        else:
-            state = TILE_PARTIAL
     if state != TILE_EMPTY:
         k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                     order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
@@ -254,7 +262,9 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, C
                              padding_mode=ct.PaddingMode.ZERO,
                              latency=K_LATENCY).reshape((TAIL_D, TILE_N))
             qk = _mma(q_tail, k_tail, qk)
-        if SOFTCAP:
+        if SOFTCAP and APPROX_TANH:
+            s = ct.tanh(qk * score_scale, rounding_mode=ct.RoundingMode.APPROX) * softcap_out
+        elif SOFTCAP:
             s = ct.tanh(qk * score_scale) * softcap_out
         elif FOLD_SCALE:
             # Raw scores: a positive scale commutes with the max, so it is applied once per row
@@ -266,7 +276,7 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, C
         if SCORE_MOD:  # before any masking: a mod must not see (or revive) a hidden -inf
             s = _score_mod(s, batch, head, q_idx, cols, Captures)
 
-        if GEOMETRIC_MASK:
+        if EDGE:
             visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_) & (cols < seq_kv)
             if CAUSAL:
                 visible = visible & (cols <= row_pos)
@@ -295,7 +305,7 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, C
             row_max = row_max * score_scale
         m_new = max(m_i, row_max)
         m_shift = m_new
-        if GEOMETRIC_MASK or MASK_KIND != NO_MASK or SCORE_MOD:
+        if EDGE or MASK_KIND != NO_MASK or SCORE_MOD:
             # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = ct.where(m_new == -math.inf, 0.0, m_new)
         if FOLD_SCALE:
@@ -320,6 +330,12 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, C
             acc_tail = _mma(p, v_tail, acc_tail * alpha)
         m_i = m_new
     return m_i, l_i, acc, acc_tail
+
+
+def _table_range(TileRange, mask_b, mask_h, mask_m, which):
+    """Entry ``which`` of a query tile's key-tile ranges (masks.py): 0 first non-empty, 1 / 2
+    the run of full tiles, 3 end."""
+    return ct.load(TileRange, index=(mask_b, mask_h, mask_m, which), shape=(1, 1, 1, 1)).item()
 
 
 def _mma(a, b, acc):

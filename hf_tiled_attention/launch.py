@@ -49,6 +49,7 @@ class KernelConstants(NamedTuple):
     CAUSAL: bool
     WINDOWED: bool
     SOFTCAP: bool
+    APPROX_TANH: bool
     SCORE_MOD: bool
     MASK_KIND: int
     MASK_BATCHED: bool
@@ -226,7 +227,8 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
         TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
-        SOFTCAP=softcap is not None, SCORE_MOD=has_score_mod, MASK_KIND=mask_kind, MASK_BATCHED=batched,
+        SOFTCAP=softcap is not None, APPROX_TANH=softcap is not None and dtype != torch.float32,
+        SCORE_MOD=has_score_mod, MASK_KIND=mask_kind, MASK_BATCHED=batched,
         MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,

@@ -30,7 +30,9 @@ MOD_TABLE_CHUNK = 1 << 22
 
 class BlockTable(NamedTuple):
     """``states`` (Bm, Hm, n_m, n_n) int8 TILE_EMPTY / TILE_PARTIAL / TILE_FULL; ``ranges``
-    (Bm, Hm, n_m, 2) int32: each query tile's first and end key tile that is not empty."""
+    (Bm, Hm, n_m, 4) int32, per query tile: its first non-empty key tile, its longest run of
+    full key tiles [start, end) (empty: start == end), and its end (one past the last
+    non-empty tile)."""
     states: torch.Tensor
     ranges: torch.Tensor
 
@@ -51,12 +53,21 @@ def position_visibility(pos: torch.Tensor, keys: torch.Tensor, causal: bool,
 
 
 def tile_ranges(states: torch.Tensor) -> torch.Tensor:
+    """The :class:`BlockTable` ranges of a state table."""
     n = states.shape[-1]
     nonempty = states != TILE_EMPTY
-    index = torch.arange(n, device=states.device, dtype=torch.int32)
+    index = torch.arange(n, device=states.device, dtype=torch.int64).expand(states.shape)
     first = torch.where(nonempty, index, n).amin(dim=-1)
-    end = torch.where(nonempty, index + 1, 0).amax(dim=-1)
-    return torch.stack([first, torch.maximum(end, first)], dim=-1).to(torch.int32).contiguous()
+    end = torch.maximum(torch.where(nonempty, index + 1, 0).amax(dim=-1), first)
+    # Length of the run of full tiles ending at each tile; the longest run ends at its argmax
+    # (the first one on ties).
+    full = states == TILE_FULL
+    last_not_full = torch.where(full, -1, index).cummax(dim=-1).values
+    run = torch.where(full, index - last_not_full, 0)
+    longest, run_end = run.max(dim=-1)
+    run_hi = torch.where(longest > 0, run_end + 1, first)
+    run_lo = run_hi - longest
+    return torch.stack([first, run_lo, run_hi, end], dim=-1).to(torch.int32).contiguous()
 
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

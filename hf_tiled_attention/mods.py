@@ -68,14 +68,17 @@ class CompiledMods:
                      for t in self.captures)
 
 
-def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> CompiledMods:
+def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
+                 approximate_tanh: bool = False) -> CompiledMods:
     """Translates the mods (memoised per pair of function objects while their captures stay
-    the same)."""
-    memo_key = (score_mod, mask_mod)
+    the same). ``approximate_tanh``: ``torch.tanh`` becomes the hardware's approximate tanh
+    (relative error about 2**-11, one instruction), for 16-bit inputs, whose probabilities are
+    rounded more coarsely than that anyway."""
+    memo_key = (score_mod, mask_mod, approximate_tanh)
     cached = _memo.get(memo_key)
     if cached is not None and all(cell_ok() for cell_ok in cached[1]):
         return cached[0]
-    translator = _Translator()
+    translator = _Translator(approximate_tanh)
     entries = []
     for name, fn, params in (("score_mod", score_mod, SCORE_MOD_PARAMS),
                              ("mask_mod", mask_mod, MASK_MOD_PARAMS)):
@@ -123,7 +126,8 @@ def _load_generated(key: str, source: str) -> tuple[types.ModuleType, str]:
 class _Translator:
     """Turns Python functions into cuTile-readable source, sharing one capture list."""
 
-    def __init__(self):
+    def __init__(self, approximate_tanh: bool = False):
+        self.approximate_tanh = approximate_tanh
         self.definitions: list[str] = []
         self.captures: list[torch.Tensor] = []
         self.guards: list[Callable[[], bool]] = []   # "the captures are still the same"
@@ -309,11 +313,14 @@ class _Rewriter(ast.NodeTransformer):
                 and str(node.args[0].value).strip().lower() in ("inf", "-inf", "+inf")):
             # float("-inf"), as FlexAttention mods often write it: a constant
             return _number(float(node.args[0].value), node)
+        if node.keywords:
+            raise ModError(f"{self._where(node)}: keyword arguments are not supported in a mod")
         new = self.generic_visit(node)
         if isinstance(new.func, ast.Name) and new.func.id in self.t.generated:
             new.args.append(ast.Name(CAPTURES, ast.Load()))  # a translated function
-        if new.keywords:
-            raise ModError(f"{self._where(node)}: keyword arguments are not supported in a mod")
+        if self.t.approximate_tanh and ast.unparse(new.func) == "ct.tanh":
+            new.keywords.append(ast.keyword("rounding_mode", ast.parse(
+                "ct.RoundingMode.APPROX", mode="eval").body))
         return new
 
 

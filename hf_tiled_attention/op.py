@@ -62,12 +62,15 @@ def tiled_attention(
         window: sliding window ``W``: query ``i`` sees key ``j`` only if
             ``j > i + Skv - Sq - W``; without ``is_causal`` the window is symmetric,
             ``|j - (i + Skv - Sq)| < W``.
-        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking. For
+            16-bit inputs the kernel uses the hardware's approximate tanh (relative error about
+            2**-11, finer than the 16-bit rounding of the probabilities), as in a ``score_mod``.
         schedule: kernel schedule overrides (see :class:`Schedule`); unset fields come from
             ``use_schedule`` and the default table.
         return_lse: also return the fp32 log-sum-exp ``(B, Hq, Sq)`` (natural log).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
-            signature: changes each scaled score (fp32) before masking and softmax.
+            signature: changes each scaled score (fp32) before masking and softmax
+            (``torch.tanh`` in it is the approximate one for 16-bit inputs).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the key is visible where True (and
             where ``is_causal`` / ``window`` also allow it). Its block table (empty / partial /
             full per tile) is built on the device once per mod and shape and reused; empty
@@ -86,14 +89,14 @@ def tiled_attention(
     diag_offset = key.shape[2] - query.shape[2]
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap)
+        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap, query.dtype)
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
                          schedule=schedule, return_lse=return_lse, mods=mods)
     return (out, lse) if return_lse else out
 
 
-def _checked_mods(score_mod, mask_mod, attn_mask, softcap) -> CompiledMods:
+def _checked_mods(score_mod, mask_mod, attn_mask, softcap, dtype) -> CompiledMods:
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")
@@ -106,7 +109,7 @@ def _checked_mods(score_mod, mask_mod, attn_mask, softcap) -> CompiledMods:
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod run in eager calls only; call "
                                   "tiled_attention outside torch.compile")
-    return compile_mods(score_mod, mask_mod)
+    return compile_mods(score_mod, mask_mod, approximate_tanh=dtype != torch.float32)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -56,10 +56,33 @@ def test_compact_mask_memoises_its_tables():
     assert other is not first and other.states.shape[-1] == 5
 
 
-def test_tile_ranges_cover_the_non_empty_tiles():
-    states = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2]],
+def test_tile_ranges_cover_the_non_empty_tiles_and_the_longest_full_run():
+    states = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2, 2],
+                           [2, 2, 1, 2, 2, 2, 0], [2, 1, 2, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0]],
                           dtype=torch.int8)[None, None]
-    assert tile_ranges(states).tolist() == [[[[1, 5], [6, 6], [0, 6]]]]
+    assert tile_ranges(states).tolist() == [[[[1, 2, 3, 5], [7, 7, 7, 7], [0, 0, 7, 7],
+                                              [0, 3, 6, 6], [0, 0, 1, 3], [0, 0, 0, 4]]]]
+
+
+def _ranges_by_loops(row: list) -> list:
+    nonempty = [j for j, s in enumerate(row) if s != 0]
+    first, end = (nonempty[0], nonempty[-1] + 1) if nonempty else (len(row), len(row))
+    best = (first, first)
+    for lo in range(len(row)):
+        hi = lo
+        while hi < len(row) and row[hi] == 2:
+            hi += 1
+        if hi - lo > best[1] - best[0]:
+            best = (lo, hi)
+    return [first, *best, end]
+
+
+def test_tile_ranges_equal_plain_loops_on_random_tables():
+    states = torch.randint(0, 3, (2, 3, 40, 9), generator=torch.Generator().manual_seed(1),
+                           dtype=torch.int8)
+    expected = [[[_ranges_by_loops(row) for row in head] for head in batch]
+                for batch in states.tolist()]
+    assert tile_ranges(states).tolist() == expected
 
 
 @pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 64), (16, 32)])

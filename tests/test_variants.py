@@ -151,6 +151,13 @@ def test_kernel_compile_errors_name_the_mod():
         export_cubin(plan, q, q, None, arch="sm_90")
 
 
+def test_tanh_is_approximate_only_when_asked():
+    fast = open(compile_mods(variants.softcap(7.0), None, approximate_tanh=True).path).read()
+    exact = open(compile_mods(variants.softcap(7.0), None).path).read()
+    assert "ct.tanh(score / 7.0, rounding_mode=ct.RoundingMode.APPROX)" in fast
+    assert "ct.tanh(score / 7.0)" in exact and "APPROX" not in exact
+
+
 def test_lambda_mods_translate():
     mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
     assert "q_idx >= kv_idx" in open(compile_mods(None, mod).path).read()
@@ -204,7 +211,7 @@ def test_variant_kernel_compiles_sm90(case):
     from hf_tiled_attention.schedule import resolve_schedule
 
     q, k, _, kwargs = make_variant_inputs(case, "cpu", torch.bfloat16)
-    mods = compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"))
+    mods = compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"), approximate_tanh=True)
     mask = None if mods.mask_mod is None else mod_mask(
         mods, case.batch, case.heads_q, case.seq_q, case.seq_kv, torch.device("cpu"))
     causal = kwargs.get("is_causal", False)
