@@ -31,7 +31,7 @@ inside it, tiles that need no per-element mask skip the masking work, and with a
 state table (``MASK_TABLE``; 0: nothing visible, 1: partial, 2: all visible with zero bias; see
 masks.py) empty tiles are skipped and full ones are not masked; the query tile's longest run
 of full key tiles (from the table's ranges) is streamed without reading the table, so the loop
-over it carries no branch. Without the table (a key vector
+over it carries no branch, and its longest gap of empty tiles before that run is jumped. Without the table (a key vector
 ``(B or 1, 1, 1, Skv)`` in a traced call, where building it per call would cost more than it
 saves) the mask is applied on every visited tile. Every tuning knob comes in as a constant from
 :class:`hf_tiled_attention.Schedule`.
@@ -163,21 +163,30 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
     MASK_TILE_M = TILE_M if MASK_ROWS else 1
     # Key tiles [full_lo, full_hi) lie inside every row's causal/window/bounds range and, with a
     # block table, in its run of full tiles: they need no per-element mask and no table read.
+    # With a table, [gap_lo, gap_hi) before them are empty tiles (StreamingLLM's gap between
+    # sinks and window), skipped without reading their states.
     full_lo = ct.cdiv(lo_all, TILE_N)
     full_hi = hi_all // TILE_N
+    gap_lo = first_tile
+    gap_hi = first_tile
     if MASK_KIND != NO_MASK and MASK_TABLE:
         # Only the key tiles the block table has non-empty for this query tile.
         first_tile = max(first_tile, _table_range(TileRange, mask_b, mask_h, mask_m, 0))
-        full_lo = max(full_lo, _table_range(TileRange, mask_b, mask_h, mask_m, 1))
-        full_hi = min(full_hi, _table_range(TileRange, mask_b, mask_h, mask_m, 2))
-        end_tile = max(min(end_tile, _table_range(TileRange, mask_b, mask_h, mask_m, 3)),
+        gap_lo = _table_range(TileRange, mask_b, mask_h, mask_m, 1)
+        gap_hi = _table_range(TileRange, mask_b, mask_h, mask_m, 2)
+        full_lo = max(full_lo, _table_range(TileRange, mask_b, mask_h, mask_m, 3))
+        full_hi = min(full_hi, _table_range(TileRange, mask_b, mask_h, mask_m, 4))
+        end_tile = max(min(end_tile, _table_range(TileRange, mask_b, mask_h, mask_m, 5)),
                        first_tile)
     # This block's slice of the visible key tiles (all of them unless kv_splits > 1).
     per_split = ct.cdiv(end_tile - first_tile, kv_splits)
     first_tile = min(first_tile + split * per_split, end_tile)
     end_tile = min(first_tile + per_split, end_tile)
+    # first <= gap_lo <= gap_hi <= full_lo <= full_hi <= end
     full_lo = min(max(full_lo, first_tile), end_tile)
     full_hi = max(min(full_hi, end_tile), full_lo)
+    gap_lo = min(max(gap_lo, first_tile), full_lo)
+    gap_hi = min(max(gap_hi, gap_lo), full_lo)
 
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
     if G_TILE > 1:  # rows are (position, head) pairs, heads fastest
@@ -204,7 +213,10 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
     tile_consts = (CAUSAL, WINDOWED, SOFTCAP, APPROX_TANH, SCORE_MOD, MASK_KIND, MASK_TABLE,
                    MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
                    V_LATENCY)
-    for j in range(first_tile, full_lo):
+    for j in range(first_tile, gap_lo):
+        m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
+                                               *tile_consts)
+    for j in range(gap_hi, full_lo):
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
                                                *tile_consts)
     for j in range(full_lo, full_hi):
@@ -334,7 +346,7 @@ def _attend_tile(j, m_i, l_i, acc, acc_tail, q, q_tail, K, V, Mask, TileState, C
 
 def _table_range(TileRange, mask_b, mask_h, mask_m, which):
     """Entry ``which`` of a query tile's key-tile ranges (masks.py): 0 first non-empty, 1 / 2
-    the run of full tiles, 3 end."""
+    the gap of empty tiles, 3 / 4 the run of full tiles, 5 end."""
     return ct.load(TileRange, index=(mask_b, mask_h, mask_m, which), shape=(1, 1, 1, 1)).item()
 
 

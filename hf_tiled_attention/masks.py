@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .mods import CompiledMods, index_grid
 
@@ -30,9 +31,10 @@ MOD_TABLE_CHUNK = 1 << 22
 
 class BlockTable(NamedTuple):
     """``states`` (Bm, Hm, n_m, n_n) int8 TILE_EMPTY / TILE_PARTIAL / TILE_FULL; ``ranges``
-    (Bm, Hm, n_m, 4) int32, per query tile: its first non-empty key tile, its longest run of
-    full key tiles [start, end) (empty: start == end), and its end (one past the last
-    non-empty tile)."""
+    (Bm, Hm, n_m, 6) int32, per query tile: its first non-empty key tile; the longest gap of
+    empty tiles [start, end) after it and before the full run; the longest run of full tiles
+    [start, end); one past its last non-empty tile. An empty gap or run has start == end (a run
+    then sits at the end)."""
     states: torch.Tensor
     ranges: torch.Tensor
 
@@ -55,19 +57,25 @@ def position_visibility(pos: torch.Tensor, keys: torch.Tensor, causal: bool,
 def tile_ranges(states: torch.Tensor) -> torch.Tensor:
     """The :class:`BlockTable` ranges of a state table."""
     n = states.shape[-1]
+    index = torch.arange(n, device=states.device, dtype=torch.int64)
     nonempty = states != TILE_EMPTY
-    index = torch.arange(n, device=states.device, dtype=torch.int64).expand(states.shape)
-    first = torch.where(nonempty, index, n).amin(dim=-1)
-    end = torch.maximum(torch.where(nonempty, index + 1, 0).amax(dim=-1), first)
-    # Length of the run of full tiles ending at each tile; the longest run ends at its argmax
-    # (the first one on ties).
-    full = states == TILE_FULL
-    last_not_full = torch.where(full, -1, index).cummax(dim=-1).values
-    run = torch.where(full, index - last_not_full, 0)
-    longest, run_end = run.max(dim=-1)
-    run_hi = torch.where(longest > 0, run_end + 1, first)
-    run_lo = run_hi - longest
-    return torch.stack([first, run_lo, run_hi, end], dim=-1).to(torch.int32).contiguous()
+    first = torch.where(nonempty, index, n).amin(dim=-1, keepdim=True)
+    end = torch.where(nonempty, index + 1, 0).amax(dim=-1, keepdim=True)
+    run_lo, run_hi = _longest_run(states == TILE_FULL, index, end)
+    gap = (states == TILE_EMPTY) & (index >= first) & (index < run_lo)
+    gap_lo, gap_hi = _longest_run(gap, index, first)
+    return torch.cat([first, gap_lo, gap_hi, run_lo, run_hi, end],
+                     dim=-1).to(torch.int32).contiguous()
+
+
+def _longest_run(member: torch.Tensor, index: torch.Tensor, where_none: torch.Tensor) -> tuple:
+    """[start, end) of each row's longest run of True (the first on ties), or ``where_none``
+    twice for a row without one."""
+    # Length of the run ending at each position: distance to the last non-member before it.
+    run = index - torch.where(member, -1, index).cummax(dim=-1).values
+    longest, last = run.max(dim=-1, keepdim=True)
+    hi = torch.where(longest > 0, last + 1, where_none)
+    return hi - longest, hi
 
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -136,6 +144,27 @@ def compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
         # Keys must be contiguous for tile loads; a key dim of size 1 is expanded (rare).
         mask = mask.expand(*mask.shape[:3], seq_kv).contiguous()
     return CompactMask(mask, kind)
+
+
+# The CompactMask of each mask tensor passed to the op, held weakly by the tensor, with its
+# version and the call's shape: a caller that passes the same unchanged mask again (every layer
+# of a model) reuses its block tables. The entry is made from a detached alias, so it does not
+# keep its key alive.
+_compact_masks = WeakTensorKeyDictionary()
+
+
+def reused_compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
+                        seq_kv: int) -> CompactMask:
+    """:func:`compact_mask`, memoised per mask tensor while it is unchanged (eager calls)."""
+    if not isinstance(attn_mask, torch.Tensor) or torch.compiler.is_compiling():
+        return compact_mask(attn_mask, batch, heads_q, seq_q, seq_kv)
+    key = (attn_mask._version, batch, heads_q, seq_q, seq_kv)
+    found = _compact_masks.get(attn_mask)
+    if found is not None and found[0] == key:
+        return found[1]
+    compact = compact_mask(attn_mask.detach(), batch, heads_q, seq_q, seq_kv)
+    _compact_masks[attn_mask] = (key, compact)
+    return compact
 
 
 def tile_states(mask: CompactMask, tile_m: int, tile_n: int) -> torch.Tensor:

@@ -69,16 +69,17 @@ class CompiledMods:
 
 
 def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
-                 approximate_tanh: bool = False) -> CompiledMods:
+                 fast_math: bool = False) -> CompiledMods:
     """Translates the mods (memoised per pair of function objects while their captures stay
-    the same). ``approximate_tanh``: ``torch.tanh`` becomes the hardware's approximate tanh
-    (relative error about 2**-11, one instruction), for 16-bit inputs, whose probabilities are
-    rounded more coarsely than that anyway."""
-    memo_key = (score_mod, mask_mod, approximate_tanh)
+    the same). ``fast_math`` (for 16-bit inputs, whose probabilities are rounded more coarsely
+    than this anyway): ``torch.tanh`` becomes the hardware's approximate tanh (relative error
+    about 2**-11, one instruction) and a division by a number a multiplication by its
+    reciprocal (an IEEE division is a dozen instructions per score)."""
+    memo_key = (score_mod, mask_mod, fast_math)
     cached = _memo.get(memo_key)
     if cached is not None and all(cell_ok() for cell_ok in cached[1]):
         return cached[0]
-    translator = _Translator(approximate_tanh)
+    translator = _Translator(fast_math)
     entries = []
     for name, fn, params in (("score_mod", score_mod, SCORE_MOD_PARAMS),
                              ("mask_mod", mask_mod, MASK_MOD_PARAMS)):
@@ -126,8 +127,8 @@ def _load_generated(key: str, source: str) -> tuple[types.ModuleType, str]:
 class _Translator:
     """Turns Python functions into cuTile-readable source, sharing one capture list."""
 
-    def __init__(self, approximate_tanh: bool = False):
-        self.approximate_tanh = approximate_tanh
+    def __init__(self, fast_math: bool = False):
+        self.fast_math = fast_math
         self.definitions: list[str] = []
         self.captures: list[torch.Tensor] = []
         self.guards: list[Callable[[], bool]] = []   # "the captures are still the same"
@@ -306,6 +307,15 @@ class _Rewriter(ast.NodeTransformer):
         raise ModError(f"{self._where(node)}: attribute access "
                        f"{ast.unparse(node)!r} is not supported in a mod")
 
+    def visit_BinOp(self, node: ast.BinOp):
+        new = self.generic_visit(node)
+        if (self.t.fast_math and isinstance(new.op, ast.Div)
+                and isinstance(new.right, ast.Constant)
+                and type(new.right.value) in (int, float) and new.right.value != 0):
+            return ast.copy_location(ast.BinOp(new.left, ast.Mult(),
+                                               ast.Constant(1.0 / new.right.value)), node)
+        return new
+
     def visit_Call(self, node: ast.Call):
         if (isinstance(node.func, ast.Name) and node.func.id == "float"
                 and node.func.id not in self.locals and len(node.args) == 1 and not node.keywords
@@ -318,7 +328,7 @@ class _Rewriter(ast.NodeTransformer):
         new = self.generic_visit(node)
         if isinstance(new.func, ast.Name) and new.func.id in self.t.generated:
             new.args.append(ast.Name(CAPTURES, ast.Load()))  # a translated function
-        if self.t.approximate_tanh and ast.unparse(new.func) == "ct.tanh":
+        if self.t.fast_math and ast.unparse(new.func) == "ct.tanh":
             new.keywords.append(ast.keyword("rounding_mode", ast.parse(
                 "ct.RoundingMode.APPROX", mode="eval").body))
         return new

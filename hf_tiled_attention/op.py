@@ -19,7 +19,7 @@ import torch
 from . import autotune
 from .checks import check_inputs, check_options
 from .launch import LaunchPlan, plan_launch, run_kernel
-from .masks import CompactMask, compact_mask, mod_mask
+from .masks import CompactMask, mod_mask, reused_compact_mask
 from .mods import CompiledMods, compile_mods
 from .reference import reference_attention
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
@@ -56,7 +56,9 @@ def tiled_attention(
             fp16, bf16 or fp32 (fp32 runs the kernel's TF32 variant on GPU); ``D`` a multiple
             of 8 from 16 to 256.
         attn_mask: bool (True = may attend) or additive float, broadcastable to
-            ``(B, Hq, Sq, Skv)``. Key tiles it hides entirely are skipped.
+            ``(B, Hq, Sq, Skv)``. Key tiles it hides entirely are skipped; the per-tile table
+            that says which is built once per mask tensor and reused while the tensor is
+            unchanged (pass the same mask to every layer).
         is_causal: bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Skv - Sq``.
         scale: score scale, default ``1 / sqrt(D)``.
         window: sliding window ``W``: query ``i`` sees key ``j`` only if
@@ -70,7 +72,8 @@ def tiled_attention(
         return_lse: also return the fp32 log-sum-exp ``(B, Hq, Sq)`` (natural log).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
             signature: changes each scaled score (fp32) before masking and softmax
-            (``torch.tanh`` in it is the approximate one for 16-bit inputs).
+            (for 16-bit inputs the kernel runs it with fast math: the approximate tanh, and a
+            division by a number as a multiplication by its reciprocal).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the key is visible where True (and
             where ``is_causal`` / ``window`` also allow it). Its block table (empty / partial /
             full per tile) is built on the device once per mod and shape and reused; empty
@@ -109,7 +112,7 @@ def _checked_mods(score_mod, mask_mod, attn_mask, softcap, dtype) -> CompiledMod
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod run in eager calls only; call "
                                   "tiled_attention outside torch.compile")
-    return compile_mods(score_mod, mask_mod, approximate_tanh=dtype != torch.float32)
+    return compile_mods(score_mod, mask_mod, fast_math=dtype != torch.float32)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -132,7 +135,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if mods is not None and mods.mask_mod is not None:
         mask = mod_mask(mods, batch, heads_q, seq_q, key.shape[2], query.device)
     elif attn_mask is not None and not isinstance(attn_mask, CompactMask):
-        mask = compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
+        mask = reused_compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
     if isinstance(mask, CompactMask) and mask.tensor.device != query.device:
         raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
                          f"{mask.tensor.device}")

@@ -119,10 +119,14 @@ def test_split_across_two_gpus(name, tmp_path):
 
 def test_packed_16k_tokens_without_a_dense_mask():
     """A 16k-token packed row (cu_seq_lens, as DataCollatorWithFlattening passes them): each
-    document matches its own unpacked run, and the forward's extra memory stays far below one
-    dense (1, 1, 16k, 16k) bool mask (256 MiB)."""
+    document matches its own unpacked fp32 run as closely as sdpa's bf16 run of it does, and
+    the forward's extra memory stays far below one dense (1, 1, 16k, 16k) bool mask (256 MiB).
+    (bf16 logits of a 5000-token run differ by a bf16 step, 0.125, from the same run inside a
+    longer batch: the projections' GEMMs round differently; hence sdpa's error as the scale.)"""
 
     model = _on_gpu("llama", "tiled", torch.bfloat16)
+    fp32 = build("llama", "eager").cuda()
+    sdpa = _on_gpu("llama", "sdpa", torch.bfloat16)
     lengths = [3000, 5000, 2384, 6000]
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(3, 128, (n,), generator=g).cuda() for n in lengths]
@@ -142,7 +146,8 @@ def test_packed_16k_tokens_without_a_dense_mask():
         assert peak - 3 * logits_bytes < 64 * 2**20, f"extra peak {peak / 2**20:.0f} MiB"
         start = 0
         for doc in docs:
-            alone = model(doc[None], use_cache=False).logits[0].float()
-            err = (packed[start:start + len(doc)] - alone).abs().max().item()
-            assert err <= BASE_TOL[torch.bfloat16], (start, err)
+            alone = fp32(doc[None], use_cache=False).logits[0]
+            ref_err = (sdpa(doc[None], use_cache=False).logits[0].float() - alone).abs().max()
+            err = (packed[start:start + len(doc)] - alone).abs().max()
+            assert err <= 2 * ref_err + BASE_TOL[torch.bfloat16], (start, err, ref_err)
             start += len(doc)

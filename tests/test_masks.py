@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_tiled_attention.masks import compact_mask, mod_mask, tile_ranges, tile_states
+from hf_tiled_attention.masks import (compact_mask, mod_mask, reused_compact_mask, tile_ranges,
+                                      tile_states)
 from hf_tiled_attention.mods import compile_mods, index_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -56,30 +57,38 @@ def test_compact_mask_memoises_its_tables():
     assert other is not first and other.states.shape[-1] == 5
 
 
-def test_tile_ranges_cover_the_non_empty_tiles_and_the_longest_full_run():
+def test_tile_ranges_give_the_non_empty_span_the_longest_full_run_and_the_gap_before_it():
     states = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2, 2],
-                           [2, 2, 1, 2, 2, 2, 0], [2, 1, 2, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0]],
+                           [2, 2, 1, 2, 2, 2, 0], [2, 1, 2, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0],
+                           [1, 0, 0, 0, 1, 2, 2], [2, 0, 1, 0, 0, 1, 2]],
                           dtype=torch.int8)[None, None]
-    assert tile_ranges(states).tolist() == [[[[1, 2, 3, 5], [7, 7, 7, 7], [0, 0, 7, 7],
-                                              [0, 3, 6, 6], [0, 0, 1, 3], [0, 0, 0, 4]]]]
+    assert tile_ranges(states).tolist() == [[[
+        [1, 1, 1, 2, 3, 5], [7, 7, 7, 0, 0, 0], [0, 0, 0, 0, 7, 7], [0, 0, 0, 3, 6, 6],
+        [0, 0, 0, 0, 1, 3], [0, 1, 2, 4, 4, 4], [0, 1, 4, 5, 7, 7], [0, 0, 0, 0, 1, 7]]]]
 
 
 def _ranges_by_loops(row: list) -> list:
+    def longest(member, lo, hi, none):
+        best = (none, none)
+        for start in range(lo, hi):
+            stop = start
+            while stop < hi and member(row[stop]):
+                stop += 1
+            if stop - start > best[1] - best[0]:
+                best = (start, stop)
+        return best
+
     nonempty = [j for j, s in enumerate(row) if s != 0]
-    first, end = (nonempty[0], nonempty[-1] + 1) if nonempty else (len(row), len(row))
-    best = (first, first)
-    for lo in range(len(row)):
-        hi = lo
-        while hi < len(row) and row[hi] == 2:
-            hi += 1
-        if hi - lo > best[1] - best[0]:
-            best = (lo, hi)
-    return [first, *best, end]
+    first, end = (nonempty[0], nonempty[-1] + 1) if nonempty else (len(row), 0)
+    run = longest(lambda s: s == 2, 0, len(row), end)
+    gap = longest(lambda s: s == 0, first, run[0], first)
+    return [first, *gap, *run, end]
 
 
 def test_tile_ranges_equal_plain_loops_on_random_tables():
     states = torch.randint(0, 3, (2, 3, 40, 9), generator=torch.Generator().manual_seed(1),
                            dtype=torch.int8)
+    states[0, 0, :20] = torch.randint(0, 2, (20, 9), dtype=torch.int8) * 2  # long gaps, runs
     expected = [[[_ranges_by_loops(row) for row in head] for head in batch]
                 for batch in states.tolist()]
     assert tile_ranges(states).tolist() == expected
@@ -101,3 +110,23 @@ def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
     dense = compact_mask(mod(b, h, q, kv), 2, 3, 200, 300)
     assert torch.equal(table.states, tile_states(dense, tile_m, tile_n))
     assert torch.equal(table.ranges, tile_ranges(table.states))
+
+
+def test_a_mask_tensor_passed_again_reuses_its_compact_form_until_it_changes():
+    import gc
+
+    from hf_tiled_attention import masks
+
+    mask = torch.rand(2, 1, 1, 300) > 0.3
+    first = reused_compact_mask(mask, 2, 4, 50, 300)
+    assert reused_compact_mask(mask, 2, 4, 50, 300) is first
+    assert reused_compact_mask(mask, 2, 4, 60, 300) is not first       # another call shape
+    mask[0, 0, 0, :10] = False                                           # changed in place
+    changed = reused_compact_mask(mask, 2, 4, 50, 300)
+    assert changed is not first and not changed.tensor[0, 0, 0, :10].any()
+    entries = len(masks._compact_masks)
+    del mask, first, changed
+    gc.collect()
+    assert len(masks._compact_masks) == entries - 1                      # not kept alive
+    with pytest.raises(ValueError, match="not broadcastable"):
+        reused_compact_mask(torch.ones(3, 1, 1, 300, dtype=torch.bool), 2, 4, 50, 300)

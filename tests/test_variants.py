@@ -151,11 +151,29 @@ def test_kernel_compile_errors_name_the_mod():
         export_cubin(plan, q, q, None, arch="sm_90")
 
 
-def test_tanh_is_approximate_only_when_asked():
-    fast = open(compile_mods(variants.softcap(7.0), None, approximate_tanh=True).path).read()
-    exact = open(compile_mods(variants.softcap(7.0), None).path).read()
-    assert "ct.tanh(score / 7.0, rounding_mode=ct.RoundingMode.APPROX)" in fast
-    assert "ct.tanh(score / 7.0)" in exact and "APPROX" not in exact
+def test_fast_math_only_when_asked():
+    """16-bit calls: approximate tanh, division by a number as a product (softcap's cost)."""
+    fast = open(compile_mods(variants.softcap(8.0), None, fast_math=True).path).read()
+    exact = open(compile_mods(variants.softcap(8.0), None).path).read()
+    assert "ct.tanh(score * 0.125, rounding_mode=ct.RoundingMode.APPROX)" in fast
+    assert "ct.tanh(score / 8.0)" in exact and "APPROX" not in exact
+
+
+def _halves(score, b, h, q_idx, kv_idx):
+    return score + (kv_idx - q_idx) / 2 - q_idx / score
+
+
+def test_fast_math_division_compiles_for_ints_and_keeps_tile_divisors():
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    mods = compile_mods(_halves, None, fast_math=True)
+    assert "(kv_idx - q_idx) * 0.5 - q_idx / score" in open(mods.path).read()
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.schedule import resolve_schedule
+    plan = plan_launch(q, q, None, causal=False, scale=0.1, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
+                       return_lse=False, mods=mods)
+    assert export_cubin(plan, q, q, None, arch="sm_90")[:4] == b"\x7fELF"
 
 
 def test_lambda_mods_translate():
@@ -211,7 +229,7 @@ def test_variant_kernel_compiles_sm90(case):
     from hf_tiled_attention.schedule import resolve_schedule
 
     q, k, _, kwargs = make_variant_inputs(case, "cpu", torch.bfloat16)
-    mods = compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"), approximate_tanh=True)
+    mods = compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"), fast_math=True)
     mask = None if mods.mask_mod is None else mod_mask(
         mods, case.batch, case.heads_q, case.seq_q, case.seq_kv, torch.device("cpu"))
     causal = kwargs.get("is_causal", False)
