@@ -213,9 +213,10 @@ def _query_tile(block_m, head, batch, m_blocks, Q, K, V, Out, Lse, Mask, TileSta
     tile_consts = (CAUSAL, WINDOWED, SOFTCAP, APPROX_TANH, SCORE_MOD, MASK_KIND, MASK_TABLE,
                    MASK_TILE_M, SCORE_UNIT, FOLD_SCALE, TILE_M, TILE_N, TILE_D, TAIL_D, K_LATENCY,
                    V_LATENCY)
-    for j in range(first_tile, gap_lo):
-        m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
-                                               *tile_consts)
+    if MASK_KIND != NO_MASK and MASK_TABLE:  # (no gap without a table: keep the code small)
+        for j in range(first_tile, gap_lo):
+            m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
+                                                   *tile_consts)
     for j in range(gap_hi, full_lo):
         m_i, l_i, acc, acc_tail = _attend_tile(j, m_i, l_i, acc, acc_tail, *tile_args, True,
                                                *tile_consts)
