@@ -3,15 +3,17 @@ compact description (kernel flags, a key vector and, for overlays, a mask_mod: n
 whose visibility is exactly the mask the same function builds for "eager"."""
 
 import copy
+import inspect
 
 import pytest
+import transformers
 import torch
 from transformers import masking_utils as mu
 
 import hf_tiled_attention  # noqa: F401  (registers "tiled")
 from hf_tiled_attention import transformers_backend as tb
 from hf_tiled_attention.mods import index_grid
-from models import build, make_config, padded_batch
+from models import _common, build, make_config, padded_batch
 
 
 def visibility(mask: tb.TiledMask) -> torch.Tensor:
@@ -57,6 +59,12 @@ CASES = {
     "causal-or-blocks": (mu.create_causal_mask, "gemma3", {"or_mask_function": mu.blockwise_overlay(
         torch.tensor([[-1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, -1]] * 2))}),
 }
+if "block_sequence_ids" in inspect.signature(mu.create_causal_mask).parameters:
+    # Gemma 3's image blocks as transformers >= 5.2x passes them: block ids, or-ed in by it
+    CASES["causal-block-ids"] = (mu.create_causal_mask, "gemma3", {"block_sequence_ids": (
+        torch.tensor([[-1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, -1]] * 2))})
+OVERLAY_CASES = ("chunked", "causal-packed", "causal-and-overlay", "causal-or-blocks",
+                 "causal-block-ids")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,8 +77,7 @@ def test_mask_creator_is_compact_and_exact(case):
     tiled = create(_config(model, "tiled"), embeds, pad, cache=None, **kwargs)
     eager = create(_config(model, "eager"), embeds, pad, cache=None, **kwargs)
     assert isinstance(tiled, tb.TiledMask) and tiled.dense is None
-    assert (tiled.mods is not None) == (case in ("chunked", "causal-packed",
-                                                 "causal-and-overlay", "causal-or-blocks"))
+    assert (tiled.mods is not None) == (case in OVERLAY_CASES)
     assert torch.equal(visibility(tiled), eager == 0)
 
 
@@ -84,3 +91,52 @@ def test_llama4_chunked_attention_matches_eager():
         got = tiled(ids, attention_mask=pad).logits
     keep = pad.bool()
     torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=0)
+
+
+def _gemma3_with_images(impl: str):
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(**_common(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"]))
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=56, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, boi_token_index=3,
+                                       eoi_token_index=4, image_token_index=5)
+    return transformers.Gemma3ForConditionalGeneration._from_config(
+        config, attn_implementation=impl).eval()
+
+
+def test_gemma3_image_tokens_match_eager_without_a_dense_mask(monkeypatch):
+    """Gemma 3 with images (a tiny SigLIP tower): the image tokens attend to each other both
+    ways (transformers' block overlay), which reaches the op as a mask_mod, and the logits of
+    a left-padded batch match eager's."""
+    seen = []
+    real = tb._op_attention
+
+    def spy(query, key, value, mask, **kwargs):
+        seen.append((mask, kwargs.get("mods")))
+        return real(query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(tb, "_op_attention", spy)
+    eager = _gemma3_with_images("eager")
+    tiled = _gemma3_with_images("tiled")
+    tiled.load_state_dict(eager.state_dict())
+    image = [3, 5, 5, 5, 5, 4]  # begin, 4 image tokens, end
+    ids = torch.tensor([[1, 10, 11, *image, 13, 14, 15, 16, 17, 18, 19],
+                        [0, 0, 1, *image, *image, 20]])  # two images in a row
+    pad = (ids != 0).long()
+    token_types = (ids == 5).long()
+    pixels = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=pad, pixel_values=pixels,
+                     token_type_ids=token_types).logits
+        got = tiled(input_ids=ids, attention_mask=pad, pixel_values=pixels,
+                    token_type_ids=token_types).logits
+        causal_only = eager(input_ids=ids, attention_mask=pad, pixel_values=pixels).logits
+    keep = pad.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=0)
+    assert (causal_only[keep] - want[keep]).abs().max() > 1e-2  # the overlay matters here
+    assert all(mask is None for mask, _ in seen)
+    assert sum(mods is not None for _, mods in seen) == 2  # the two text layers
