@@ -92,14 +92,14 @@ def tiled_attention(
     diag_offset = key.shape[2] - query.shape[2]
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap, query.dtype)
+        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap, query)
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
                          schedule=schedule, return_lse=return_lse, mods=mods)
     return (out, lse) if return_lse else out
 
 
-def _checked_mods(score_mod, mask_mod, attn_mask, softcap, dtype) -> CompiledMods:
+def _checked_mods(score_mod, mask_mod, attn_mask, softcap, query) -> CompiledMods:
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")
@@ -112,7 +112,15 @@ def _checked_mods(score_mod, mask_mod, attn_mask, softcap, dtype) -> CompiledMod
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod run in eager calls only; call "
                                   "tiled_attention outside torch.compile")
-    return compile_mods(score_mod, mask_mod, fast_math=dtype != torch.float32)
+    mods = compile_mods(score_mod, mask_mod, fast_math=query.dtype != torch.float32)
+    for tensor in mods.captures:
+        if tensor.device != query.device:
+            names = " / ".join(getattr(fn, "__qualname__", "?") for fn in (score_mod, mask_mod)
+                               if fn is not None)
+            raise ValueError(f"{names} reads a captured tensor of shape {tuple(tensor.shape)} "
+                             f"on {tensor.device}; mods run on the query's device "
+                             f"({query.device}): move the tensor there")
+    return mods
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

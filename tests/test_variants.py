@@ -123,6 +123,10 @@ def test_mod_errors_name_the_problem():
         hta.tiled_attention(q, k, v, softcap=5.0, score_mod=variants.softcap(5.0))
     with pytest.raises(TypeError, match="score_mod must be a function"):
         hta.tiled_attention(q, k, v, score_mod=3)
+    elsewhere = variants.alibi(torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match=r"alibi.<locals>.score_mod reads a captured tensor of "
+                       r"shape \(2,\) on meta; mods run on the query's device \(cpu\)"):
+        hta.tiled_attention(q, k, v, score_mod=elsewhere)
 
 
 def _rejected_by_cutile(score, b, h, q_idx, kv_idx, captures):
