@@ -31,10 +31,10 @@ inside it, tiles that need no per-element mask skip the masking work, and with a
 state table (``MASK_TABLE``; 0: nothing visible, 1: partial, 2: all visible with zero bias; see
 masks.py) empty tiles are skipped and full ones are not masked; the query tile's longest run
 of full key tiles (from the table's ranges) is streamed without reading the table, so the loop
-over it carries no branch, and its longest gap of empty tiles before that run is jumped. Without the table (a key vector
-``(B or 1, 1, 1, Skv)`` in a traced call, where building it per call would cost more than it
-saves) the mask is applied on every visited tile. Every tuning knob comes in as a constant from
-:class:`hf_tiled_attention.Schedule`.
+over it carries no branch, and its longest gap of empty tiles before that run is jumped.
+Without the table (a key vector ``(B or 1, 1, 1, Skv)`` in a traced call, where building it per
+call would cost more than it saves) the mask is applied on every visited tile. Every tuning
+knob comes in as a constant from :class:`hf_tiled_attention.Schedule`.
 """
 
 import math

@@ -77,6 +77,7 @@ def _longest_run(member: torch.Tensor, index: torch.Tensor, where_none: torch.Te
     hi = torch.where(longest > 0, last + 1, where_none)
     return hi - longest, hi
 
+
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
