@@ -20,6 +20,22 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:torch.jit")
 
 
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The (mask, mods) of each call the transformers adapter makes to the op, in order."""
+    from hf_tiled_attention import transformers_backend
+
+    seen = []
+    real = transformers_backend._op_attention
+
+    def spy(query, key, value, mask, **kwargs):
+        seen.append((mask, kwargs.get("mods")))
+        return real(query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(transformers_backend, "_op_attention", spy)
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -74,19 +74,10 @@ def test_cu_seq_lens_alone_isolate_documents():
     assert (mono[LENGTHS[0]:] - crossing[LENGTHS[0]:]).abs().max() > 1e-3
 
 
-def test_packed_documents_reach_the_op_as_a_mask_mod(monkeypatch):
+def test_packed_documents_reach_the_op_as_a_mask_mod(op_calls):
     """Every packed-sequence signal reaches the op as a mask_mod over per-token ids, never as
     a dense (B, 1, Sq, Skv) mask."""
-    import hf_tiled_attention.transformers_backend as backend
-
-    seen = []
-    real = backend._op_attention
-
-    def spy(query, key, value, mask, **kwargs):
-        seen.append((mask, kwargs.get("mods")))
-        return real(query, key, value, mask, **kwargs)
-
-    monkeypatch.setattr(backend, "_op_attention", spy)
+    seen = op_calls
     tiled = build("llama", "tiled")
     docs = _docs(9)
     ids = torch.cat(docs)[None]
