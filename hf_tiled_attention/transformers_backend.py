@@ -30,11 +30,12 @@ description instead of an ``O(Sq x Skv)`` tensor:
   translated into one mask_mod (mods.py) with the padding folded in: transformers' mask
   functions have FlexAttention's signature, and their ``and_masks`` / ``or_masks`` are rebuilt
   from the variants' (:func:`_as_mod`). The plain base (causal, a sliding window) stays the
-  kernel's own rule where :func:`_classify` finds one. Eager calls at offset 0 only.
+  kernel's own rule where :func:`_classify` finds one. Eager calls; at a cache offset the mod
+  shifts the indices to absolute positions (the offsets a captured tensor: one kernel for
+  every step).
 * ``dense``: a full ``(B, 1, Sq, Skv)`` bool mask, used ONLY where no compact form exists:
     1. a wrapped pattern that ``mods`` cannot take: under ``torch.compile`` (mods run in eager
-       calls only), at a cache offset (the functions see absolute positions), or with a
-       function the translator rejects (a method call, a loop);
+       calls only), or with a function the translator rejects (a method call, a loop);
     2. under ``torch.compile`` with a StaticCache and ``Sq > 1`` (compiled chunked prefill), where
        the query offset is a traced tensor that cannot become the kernel's integer diagonal
        without a graph break.
@@ -187,11 +188,22 @@ def _as_mod(mask_function) -> Callable:
     return mask_function
 
 
-def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor]):
+def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor], q_offset: int, kv_offset: int,
+                  device):
     """The overlays (and the key padding) as one translated mask_mod, or None when one of them
     cannot run in the kernel (it then takes the dense fallback). transformers' mask functions
-    have FlexAttention's signature; at offsets 0 their indices are the op's."""
+    have FlexAttention's signature over absolute positions: query row ``i`` is at
+    ``q_offset + i`` and key ``j`` at ``kv_offset + j``. Non-zero offsets (a cache: decoding,
+    chunked prefill) reach the mod as a captured tensor, so the generated code, and the
+    kernel, stay the same from step to step."""
     parts = [_as_mod(part) for part in overlays]
+    if q_offset or kv_offset:
+        overlay = functools.reduce(and_masks, parts)
+        offsets = torch.tensor([q_offset, kv_offset], dtype=torch.int32, device=device)
+
+        def at_positions(b, h, q_idx, kv_idx):
+            return overlay(b, h, q_idx + offsets[0], kv_idx + offsets[1])
+        parts = [at_positions]
     if pad is not None:
         def key_padding(b, h, q_idx, kv_idx):
             return pad[b, kv_idx]
@@ -288,11 +300,11 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if pattern is None or pattern[2]:
             # Overlays (packed sequences, chunked attention, ...), or a pattern with no plain
             # base at all (transformers remaps positions for packed rows): as a mask_mod when
-            # the indices need no offset and the functions translate; else the dense fallback.
-            if _as_int(q_offset) == 0 and kv_offset == 0:
-                parts = pattern[2] if pattern is not None else _and_parts(mask_function)
-                overlay_mods = _overlay_mods(parts, _padding_slice(
-                    attention_mask, batch_size, kv_length, kv_offset, device))
+            # the functions translate; else the dense fallback.
+            parts = pattern[2] if pattern is not None else _and_parts(mask_function)
+            overlay_mods = _overlay_mods(parts, _padding_slice(
+                attention_mask, batch_size, kv_length, kv_offset, device), _as_int(q_offset),
+                kv_offset, device)
             pattern = None if overlay_mods is None else (
                 pattern[:2] if pattern is not None else (False, None))
         else:
@@ -311,8 +323,8 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         return dense_fallback()
     causal, window = pattern
     if overlay_mods is not None:  # the padding is in the mod
-        return TiledMask(causal=causal, window=window, diag_offset=0, shape=shape,
-                         mods=overlay_mods)
+        return TiledMask(causal=causal, window=window, diag_offset=_as_int(q_offset) - kv_offset,
+                         shape=shape, mods=overlay_mods)
     pad = _padding_slice(attention_mask, batch_size, kv_length, kv_offset, device)
     compiling = _compiling()
 

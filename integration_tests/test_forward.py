@@ -126,15 +126,21 @@ def test_mask_function_outputs():
     assert m.causal and m.dense is None and m.key_mask is None and m.mods is not None
     b, h, q, k = index_grid(2, (1,), torch.arange(5), torch.arange(5))
     assert torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q), want)
-    # an overlay the kernel cannot run (a method call), or one at a cache offset: dense
+    # an overlay the kernel cannot run (a method call): dense
     fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2).eq(k // 2))
     m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
     want = mu.sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn,
                         allow_is_causal_skip=False)
     assert not m.causal and m.dense is not None and torch.equal(m.dense, want)
+    # an overlay at cache offsets (queries at 5.., keys at 1..): the mod shifts its indices
     fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2) == (k // 2))
-    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=4, mask_function=fn)
-    assert m.dense is not None and m.mods is None
+    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=5, kv_offset=1,
+                      mask_function=fn)
+    want = mu.sdpa_mask(batch_size=1, q_length=2, kv_length=6, q_offset=5, kv_offset=1,
+                        mask_function=fn, allow_is_causal_skip=False)
+    assert m.dense is None and m.mods is not None and (m.causal, m.diag_offset) == (True, 4)
+    b, h, q, k = index_grid(1, (1,), torch.arange(2), torch.arange(6))
+    assert want.any() and torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q + 4), want)
 
 
 @pytest.mark.parametrize("pattern", ["chunked", "packed", "blockwise"])

@@ -93,6 +93,12 @@ def test_llama4_chunked_attention_matches_eager():
     torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=0)
 
 
+def _not_dense(mask) -> bool:
+    """None, or a key vector (B or 1, 1, 1, Skv): nothing O(Sq x Skv)."""
+    tensor = getattr(mask, "tensor", mask)
+    return tensor is None or tensor.shape[-2] == 1
+
+
 def _gemma3_with_images(impl: str):
     torch.manual_seed(0)
     text = transformers.Gemma3TextConfig(**_common(
@@ -132,3 +138,61 @@ def test_gemma3_image_tokens_match_eager_without_a_dense_mask(op_calls):
     assert (causal_only[keep] - want[keep]).abs().max() > 1e-2  # the overlay matters here
     assert all(mask is None for mask, _ in op_calls)
     assert sum(mods is not None for _, mods in op_calls) == 2  # the two text layers
+    with torch.no_grad():  # and greedy decoding after the images, with a cache
+        out_t, out_e = (model.generate(input_ids=ids, attention_mask=pad, pixel_values=pixels,
+                                       token_type_ids=token_types, max_new_tokens=8,
+                                       min_new_tokens=8, do_sample=False, pad_token_id=0)
+                        for model in (tiled, eager))
+    assert torch.equal(out_t, out_e)
+    assert all(_not_dense(mask) for mask, _ in op_calls)
+
+
+def test_llama4_chunks_at_cache_offsets_match_eager_without_a_dense_mask(op_calls):
+    """Llama 4's chunk overlay with a cache (chunked prefill, then greedy decoding of a
+    left-padded batch across chunk boundaries): the overlay takes absolute positions, so the
+    mod shifts its indices by the cache offsets; tokens and logits match eager."""
+    from transformers import DynamicCache
+
+    tiled, eager = build("llama4", "tiled"), build("llama4", "eager")
+    ids, pad = padded_batch([13, 9], 13, "left", seed=6)
+    logits = []
+    with torch.no_grad():
+        for model in (tiled, eager):
+            cache, pieces = DynamicCache(config=model.config), []
+            for start, end in ((0, 5), (5, 13)):  # the second chunk starts at offset 5
+                pieces.append(model(ids[:, start:end], attention_mask=pad[:, :end],
+                                    past_key_values=cache, use_cache=True).logits)
+            logits.append(torch.cat(pieces, dim=1))
+        out_t = tiled.generate(ids, attention_mask=pad, max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False, pad_token_id=0)
+        out_e = eager.generate(ids, attention_mask=pad, max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False, pad_token_id=0)
+    keep = pad.bool()
+    torch.testing.assert_close(logits[0][keep], logits[1][keep], atol=1e-4, rtol=0)
+    assert torch.equal(out_t, out_e)
+    assert all(_not_dense(mask) for mask, _ in op_calls)
+    with_mods = [mods for _, mods in op_calls if mods is not None]
+    assert len(with_mods) >= 2 + 11  # the chunked layer: both prefill chunks, every step
+    # one generated kernel at offset 0, one for every other offset
+    assert len({mods.key for mods in with_mods}) == 2
+
+
+def test_an_overlay_at_cache_offsets_compiles_for_sm90():
+    """The shifted mod (offsets read from a captured tensor) compiles into the kernel."""
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.masks import mod_mask
+    from hf_tiled_attention.schedule import resolve_schedule
+
+    fn = mu.and_masks(mu.causal_mask_function, mu.chunked_overlay(8, torch.tensor([0, 3])))
+    m = tb.tiled_mask(batch_size=2, q_length=3, kv_length=20, q_offset=17, mask_function=fn,
+                      attention_mask=torch.ones(2, 20, dtype=torch.bool))
+    assert m.mods is not None and m.diag_offset == 17
+    q = torch.randn(2, 4, 3, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 20, 64, dtype=torch.bfloat16)
+    mask = mod_mask(m.mods, 2, 4, 3, 20, torch.device("cpu"))
+    plan = plan_launch(q, k, mask, causal=True, scale=0.125, window=None, softcap=None,
+                       diag_offset=17, schedule=resolve_schedule(None, 9, q.dtype, 64, True,
+                                                                 seq_q=3, seq_kv=20),
+                       return_lse=False, mods=m.mods)
+    assert export_cubin(plan, q, k, mask, arch="sm_90")[:4] == b"\x7fELF"
