@@ -143,30 +143,23 @@ _DEFAULTS: dict[tuple[int, int, bool], Schedule] = {}
 for _tile_d in (16, 32, 64, 128):
     _DEFAULTS[(9, _tile_d, True)] = _ONE_WARPGROUP
     _DEFAULTS[(9, _tile_d, False)] = _ONE_WARPGROUP
-# H200, bf16, Hq/Hkv 32/8 (perf-notes step 3): two warpgroups win without causal masking
-# (D=128: 576 vs 515 TF/s at 4k, 582 vs 551 at 16k; D=64: 389 vs 377, 431 vs 425) and lose
-# with it (D=128 4k: 480 vs 497; D=64 4k: 258 vs 336).
+# Two warpgroups win without causal masking and lose with it (perf-notes step 5).
 for _tile_d in (64, 128):
     _DEFAULTS[(9, _tile_d, False)] = _TWO_WARPGROUPS
 # Head dims that run as 64 + a smaller tile (80, 96; see head_dim_parts): one warpgroup per
-# 64-row tile at occupancy 2 for both masks (perf-notes step 9: D=80 non-causal 450 TF/s at 16k
-# against 381 for the padded two-warpgroup tile; causal 444 vs 345).
+# 64-row tile at occupancy 2 for both masks (perf-notes step 9).
 _SPLIT_AFTER_64 = _ONE_WARPGROUP
 # 128 + a smaller tile (144, 160, 192): two warpgroups on 128x128 tiles for both masks (perf-notes
-# step 16, 4k: D=160 545 / 491 TF/s non-causal / causal against 438 / 400 with the 256 entry's
-# 128x64 and 360 / 324 with one warpgroup's 64x128; D=192 580 / 523 against 458 / 423).
+# step 16).
 _SPLIT_AFTER_128 = _TWO_WARPGROUPS
-# D=256: 128x64 with two warpgroups, 581 / 506 TF/s (non-causal / causal, 4k) against 462 / 399
-# for 64x64 with one.
+# D=256: 128x64 with two warpgroups (64x64 with one is slower; perf-notes step 5).
 for _causal in (False, True):
     _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=128, tile_n=64,
                                                        num_worker_warps=8)
 # Calls with little work per query tile take the one-warpgroup 64-row entry instead of the
 # two-warpgroup 128-row one: a query of at most SHORT_QUERY_ROWS rows fills at most half of a
-# 128-row tile (perf-notes step 15: non-causal decode at D=128, 16k keys, 0.438 -> 0.203 ms),
-# and with at most SHORT_KEYS keys two 64-row CTAs per SM hide each other's prologue and
-# epilogue, which the short key loop exposes (step 17: non-causal D=64/128 at 1k/2k keys 7-13%
-# faster in the autotuner's A/B; from 4k the two-warpgroup tile wins, step 5).
+# 128-row tile (perf-notes step 15), and with at most SHORT_KEYS keys two 64-row CTAs per SM
+# hide each other's prologue and epilogue, which the short key loop exposes (steps 5 and 17).
 SHORT_QUERY_ROWS = 64
 SHORT_KEYS = 2048
 # Queries of at most DECODE_QUERY_ROWS rows (decode, speculative decoding) also pack the query
