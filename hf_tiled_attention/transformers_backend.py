@@ -30,12 +30,14 @@ description instead of an ``O(Sq x Skv)`` tensor:
   translated into one mask_mod (mods.py) with the padding folded in: transformers' mask
   functions have FlexAttention's signature, and their ``and_masks`` / ``or_masks`` are rebuilt
   from the variants' (:func:`_as_mod`). The plain base (causal, a sliding window) stays the
-  kernel's own rule where :func:`_classify` finds one. Eager calls; at a cache offset the mod
-  shifts the indices to absolute positions (the offsets a captured tensor: one kernel for
-  every step).
+  kernel's own rule where :func:`_classify` finds one. Eager calls; at a cache offset (chunked
+  prefill) the mod shifts the indices to absolute positions (the offsets a captured tensor:
+  one kernel for every chunk).
 * ``dense``: a full ``(B, 1, Sq, Skv)`` bool mask, used ONLY where no compact form exists:
     1. a wrapped pattern that ``mods`` cannot take: under ``torch.compile`` (mods run in eager
-       calls only), or with a function the translator rejects (a method call, a loop);
+       calls only), or with a function the translator rejects (a method call, a loop); and
+       decoding such a pattern after a cache (at most 16 query rows, so the mask is small, and
+       a single row lets the decode path pack the query heads);
     2. under ``torch.compile`` with a StaticCache and ``Sq > 1`` (compiled chunked prefill), where
        the query offset is a traced tensor that cannot become the kernel's integer diagonal
        without a graph break.
@@ -69,6 +71,7 @@ from .checks import check_inputs
 from .masks import CompactMask, compact_mask, position_visibility
 from .mods import CompiledMods, ModError, compile_mods
 from .op import attention as _op_attention
+from .schedule import DECODE_QUERY_ROWS
 from .variants import and_masks, document_mask, or_masks
 
 __all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
@@ -300,11 +303,16 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if pattern is None or pattern[2]:
             # Overlays (packed sequences, chunked attention, ...), or a pattern with no plain
             # base at all (transformers remaps positions for packed rows): as a mask_mod when
-            # the functions translate; else the dense fallback.
-            parts = pattern[2] if pattern is not None else _and_parts(mask_function)
-            overlay_mods = _overlay_mods(parts, _padding_slice(
-                attention_mask, batch_size, kv_length, kv_offset, device), _as_int(q_offset),
-                kv_offset, device)
+            # the functions translate; else the dense fallback. Decoding (at most
+            # DECODE_QUERY_ROWS queries after a cache) keeps the dense mask: it is a few rows,
+            # and one row (no row dim) lets the decode path pack the query heads, which a mod's
+            # per-head indices do not.
+            q_start = _as_int(q_offset)
+            if not (q_length <= DECODE_QUERY_ROWS and (q_start or kv_offset)):
+                parts = pattern[2] if pattern is not None else _and_parts(mask_function)
+                overlay_mods = _overlay_mods(parts, _padding_slice(
+                    attention_mask, batch_size, kv_length, kv_offset, device), q_start,
+                    kv_offset, device)
             pattern = None if overlay_mods is None else (
                 pattern[:2] if pattern is not None else (False, None))
         else:

@@ -132,15 +132,19 @@ def test_mask_function_outputs():
     want = mu.sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn,
                         allow_is_causal_skip=False)
     assert not m.causal and m.dense is not None and torch.equal(m.dense, want)
-    # an overlay at cache offsets (queries at 5.., keys at 1..): the mod shifts its indices
+    # an overlay at cache offsets (queries at 5.., keys at 1..): the mod shifts its indices;
+    # decoding (at most 16 queries) keeps the small dense mask
     fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2) == (k // 2))
-    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=5, kv_offset=1,
+    m = tb.tiled_mask(batch_size=1, q_length=20, kv_length=24, q_offset=5, kv_offset=1,
                       mask_function=fn)
-    want = mu.sdpa_mask(batch_size=1, q_length=2, kv_length=6, q_offset=5, kv_offset=1,
+    want = mu.sdpa_mask(batch_size=1, q_length=20, kv_length=24, q_offset=5, kv_offset=1,
                         mask_function=fn, allow_is_causal_skip=False)
     assert m.dense is None and m.mods is not None and (m.causal, m.diag_offset) == (True, 4)
-    b, h, q, k = index_grid(1, (1,), torch.arange(2), torch.arange(6))
+    b, h, q, k = index_grid(1, (1,), torch.arange(20), torch.arange(24))
     assert want.any() and torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q + 4), want)
+    m = tb.tiled_mask(batch_size=1, q_length=2, kv_length=6, q_offset=5, kv_offset=1,
+                      mask_function=fn)
+    assert m.dense is not None and m.dense.shape == (1, 1, 2, 6) and m.mods is None
 
 
 @pytest.mark.parametrize("pattern", ["chunked", "packed", "blockwise"])
