@@ -469,9 +469,7 @@ def _errors_name_the_mods(plan: LaunchPlan):
         mods = plan.variant.mods
         if mods is None or not type(exc).__module__.startswith("cuda.tile"):
             raise
-        names = ", ".join(f"{role} {fn.__qualname__}" for role, fn in (
-            ("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)) if fn is not None)
-        raise ModError(f"{names} did not compile in the cuTile kernel (generated code: "
+        raise ModError(f"{mods.names} did not compile in the cuTile kernel (generated code: "
                        f"{mods.path}): {type(exc).__name__}: {exc}") from exc
 
 

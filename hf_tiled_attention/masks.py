@@ -191,9 +191,12 @@ def tile_states(mask: CompactMask, tile_m: int, tile_n: int) -> torch.Tensor:
         x = x.view(b, h, s // rows, rows, k // tile_n, tile_n)
         return x.amax(dim=(3, 5)) if reduce == "any" else x.amin(dim=(3, 5))
 
-    any_visible = pool(visible, False, "any").bool()
-    all_full = pool(zero_bias, True, "all").bool()
-    states = torch.where(all_full, 2, torch.where(any_visible, 1, 0))
+    return _states(pool(visible, False, "any").bool(), pool(zero_bias, True, "all").bool())
+
+
+def _states(any_visible: torch.Tensor, all_full: torch.Tensor) -> torch.Tensor:
+    """Per-tile TILE_FULL / TILE_PARTIAL / TILE_EMPTY from whether all / any of it is visible."""
+    states = torch.where(all_full, TILE_FULL, torch.where(any_visible, TILE_PARTIAL, TILE_EMPTY))
     return states.to(torch.int8).contiguous()
 
 
@@ -266,11 +269,9 @@ class ModMask:
                                     cols.clamp(max=self.seq_kv - 1))
             inside = (rows < self.seq_q)[:, None] & (cols < self.seq_kv)[None, :]
             tiles = (visible.shape[0], visible.shape[1], m1 - m0, tile_m, n_n, tile_n)
-            any_visible = (visible & inside).reshape(tiles).any(dim=5).any(dim=3)
-            all_visible = (visible | ~inside).reshape(tiles).all(dim=5).all(dim=3)
-            parts.append(torch.where(all_visible, TILE_FULL,
-                                     torch.where(any_visible, TILE_PARTIAL, TILE_EMPTY)))
-        return _with_ranges(torch.cat(parts, dim=2).to(torch.int8).contiguous())
+            parts.append(_states((visible & inside).reshape(tiles).any(dim=5).any(dim=3),
+                                 (visible | ~inside).reshape(tiles).all(dim=5).all(dim=3)))
+        return _with_ranges(torch.cat(parts, dim=2).contiguous())
 
 
 # ModMasks by (mods, captured tensors' identity and version, shape, device): the layers of a

@@ -62,6 +62,12 @@ class CompiledMods:
     captures: tuple
     path: str
 
+    @property
+    def names(self) -> str:
+        """The mods by role and name, for messages: ``score_mod alibi.<locals>.score_mod``."""
+        return ", ".join(f"{role} {getattr(fn, '__qualname__', '?')}" for role, fn in (
+            ("score_mod", self.score_mod), ("mask_mod", self.mask_mod)) if fn is not None)
+
     def kernel_captures(self) -> tuple:
         """The captured tensors as the kernel reads them: bool as uint8 (same bytes)."""
         return tuple(t.view(torch.uint8) if t.dtype == torch.bool else t

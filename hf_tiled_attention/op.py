@@ -115,9 +115,7 @@ def _checked_mods(score_mod, mask_mod, attn_mask, softcap, query) -> CompiledMod
     mods = compile_mods(score_mod, mask_mod, fast_math=query.dtype != torch.float32)
     for tensor in mods.captures:
         if tensor.device != query.device:
-            names = " / ".join(getattr(fn, "__qualname__", "?") for fn in (score_mod, mask_mod)
-                               if fn is not None)
-            raise ValueError(f"{names} reads a captured tensor of shape {tuple(tensor.shape)} "
+            raise ValueError(f"{mods.names} reads a captured tensor of shape {tuple(tensor.shape)} "
                              f"on {tensor.device}; mods run on the query's device "
                              f"({query.device}): move the tensor there")
     return mods

@@ -196,9 +196,9 @@ def _overlay_mods(overlays: tuple, pad: Optional[torch.Tensor], q_offset: int, k
     """The overlays (and the key padding) as one translated mask_mod, or None when one of them
     cannot run in the kernel (it then takes the dense fallback). transformers' mask functions
     have FlexAttention's signature over absolute positions: query row ``i`` is at
-    ``q_offset + i`` and key ``j`` at ``kv_offset + j``. Non-zero offsets (a cache: decoding,
-    chunked prefill) reach the mod as a captured tensor, so the generated code, and the
-    kernel, stay the same from step to step."""
+    ``q_offset + i`` and key ``j`` at ``kv_offset + j``. Non-zero offsets (chunked prefill
+    after a cache) reach the mod as a captured tensor, so the generated code, and the kernel,
+    stay the same from chunk to chunk."""
     parts = [_as_mod(part) for part in overlays]
     if q_offset or kv_offset:
         overlay = functools.reduce(and_masks, parts)
