@@ -102,12 +102,24 @@ class ResultsWriter:
 
     The CSV is rewritten after every row, so a run cut short (a time limit on a lent GPU) keeps
     what it measured; the environment entry says ``"complete": false`` until :meth:`finish`.
+    ``append``: keep the rows already in the CSV (a sweep measured over several runs); each
+    run then gets its own environment entry (``<job>``, ``<job>_run2``, ...).
     """
 
-    def __init__(self, out_dir: Path, job: str, columns: list[str], argv: list[str]):
-        self.out_dir, self.job, self.columns = out_dir, job, columns
+    def __init__(self, out_dir: Path, job: str, columns: list[str], argv: list[str],
+                 append: bool = False):
+        self.out_dir, self.columns = out_dir, columns
         self.rows: list[dict] = []
         self.path = out_dir / f"{job}.csv"
+        self.job = job  # the environment entry
+        if append and self.path.exists():
+            with open(self.path) as f:
+                self.rows = list(csv.DictReader(f))
+        if self.rows:
+            env_path = out_dir / "environment.json"
+            runs = len([k for k in json.loads(env_path.read_text()) if k.startswith(job)]
+                       if env_path.exists() else [job])
+            self.job = f"{job}_run{runs + 1}"
         self.started = time.time()
         self.environment = environment(argv)  # taken once: it runs tileiras and nvidia-smi
         self._write_environment(complete=False)

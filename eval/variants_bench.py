@@ -16,8 +16,6 @@ GPU: small sizes through the reference path, `tiled` only (numbers say nothing a
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import sys
 import warnings
@@ -245,20 +243,7 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     out_dir = args.out or results_dir() / "variants"
     out_dir.mkdir(parents=True, exist_ok=True)
-    kept = []
-    if args.append and (out_dir / "kernel_sweep.csv").exists():
-        with open(out_dir / "kernel_sweep.csv") as f:
-            kept = list(csv.DictReader(f))
-    job = "kernel_sweep"
-    if kept:  # each run keeps its own environment entry: kernel_sweep, kernel_sweep_run2, ...
-        env_path = out_dir / "environment.json"
-        runs = len([k for k in json.loads(env_path.read_text())
-                    if k.startswith("kernel_sweep")]) if env_path.exists() else 1
-        job = f"kernel_sweep_run{runs + 1}"
-    results = ResultsWriter(out_dir, job, COLUMNS, sys.argv)
-    results.path = out_dir / "kernel_sweep.csv"
-    for row in kept:
-        results.add(row)
+    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv, append=args.append)
     for dtype in args.dtype:
         for head_dim in head_dims:
             for seq in seqs:
