@@ -9,6 +9,13 @@ attention function as a model layer does (decode: one query against the cache).
     python eval/host_overhead.py                      # B=16, 32/8 heads, S=1024, D=128, causal
     python eval/host_overhead.py --batch 1 --seq-q 1 --seq 16384      # decode
 
+Without a GPU, ``--stub-launch`` times the host path alone (on any machine): the op takes its
+kernel path on CPU tensors with ``cuda.tile.launch`` a no-op, so every line is Python and torch
+work the host does before the GPU sees a launch (the two ``ct.launch`` calls themselves, about
+10-13 us each on the H200 host, are not in it):
+
+    python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
+
 Results of earlier runs: eval/results/nvidia-h200/schedule-sweep-2/host-overhead-*.txt and
 eval/results/nvidia-h200/decode/host-overhead-*.txt.
 """
@@ -16,9 +23,11 @@ eval/results/nvidia-h200/decode/host-overhead-*.txt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,41 @@ from hf_tiled_attention.timing import median_ms  # noqa: E402
 from eval.common import parse_heads  # noqa: E402
 
 CALLS = 200
+
+
+@contextlib.contextmanager
+def stubbed_launch():
+    """The op's kernel path on CPU tensors with every launch a no-op (sm_90, 132 SMs assumed)."""
+    import cuda.tile as ct
+    from hf_tiled_attention import op
+
+    with contextlib.ExitStack() as stack:
+        for target, value in ((op, {"kernel_available": lambda device: True,
+                                    "_sm_count": lambda device: 132,
+                                    "_arch_major": lambda device: 9}),
+                              (ct, {"launch": lambda *args: None}),
+                              (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),
+                              (torch.cuda, {"current_device": lambda: None})):
+            for name, stub in value.items():
+                stack.enter_context(mock.patch.object(target, name, stub, create=True))
+        op._plans.clear()  # plans made here must not leak out, nor real ones in
+        try:
+            yield
+        finally:
+            op._plans.clear()
+
+
+def host_us(fn, calls: int = 2000, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the host microseconds per call of ``calls`` calls in a row."""
+    for _ in range(calls // 10):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(times)[rounds // 2]
 
 
 def per_call_ms(fn, calls: int = CALLS) -> tuple[float, float]:
@@ -52,30 +96,29 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024, help="keys")
     parser.add_argument("--seq-q", type=int, default=0, help="queries (0: as many as keys)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--stub-launch", action="store_true",
+                        help="time the host path alone on CPU tensors, launches stubbed")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work)")
-    import cuda.tile as ct
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    if not args.stub_launch and not torch.cuda.is_available():
+        raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work); "
+                         "--stub-launch times the host path alone without one")
     from hf_tiled_attention.transformers_backend import tiled_attention_forward
 
     hq, hkv = parse_heads(args.heads)
     d, scale = args.head_dim, args.head_dim ** -0.5
     seq_q = args.seq_q or args.seq
+    device = "cpu" if args.stub_launch else "cuda"
     # The query as a model layer hands it over: a (B, S, H, D) projection viewed as (B, H, S, D).
-    q = torch.randn(args.batch, seq_q, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(args.batch, hkv, args.seq, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(args.batch, seq_q, hq, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(args.batch, hkv, args.seq, d, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    device = q.device
+    sm_count = 132 if args.stub_launch else torch.cuda.get_device_properties(
+        q.device).multi_processor_count
     plan = plan_launch(q, k, None, causal=True, scale=scale, window=None, softcap=None,
                        diag_offset=args.seq - seq_q,
                        schedule=resolve_schedule(None, 9, q.dtype, d, True, seq_q=seq_q,
                                                  seq_kv=args.seq),
-                       return_lse=False,
-                       sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
-    arrays = launch_arrays(plan, q, k, v, None)
-    kernel, stream = plan_kernel(plan), torch.cuda.current_stream()
+                       return_lse=False, sm_count=sm_count)
     print(f"plan: grid {plan.grid}, kv_splits {plan.kv_splits}, rows per tile "
           f"{plan.variant.tile_m} (query heads packed: {plan.variant.g_tile})")
 
@@ -85,22 +128,37 @@ def main(argv=None) -> int:
         num_key_value_groups = hq // hkv
 
     layer = Layer().eval()
-    causal_sdpa = seq_q > 1  # SDPA's is_causal is top-left aligned; one query sees every key
-    paths = {
+    tiled_paths = {
         "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
         "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
             q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list()),
         "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
+        "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
+                                                              scaling=scale),
+    }
+    if args.stub_launch:
+        with stubbed_launch():
+            tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None)
+            for name, fn in tiled_paths.items():
+                print(f"{name:22s} host/call {host_us(fn):.1f} us (launches stubbed)", flush=True)
+        return 0
+
+    import cuda.tile as ct
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    arrays = launch_arrays(plan, q, k, v, None)
+    kernel, stream = plan_kernel(plan), torch.cuda.current_stream()
+    causal_sdpa = seq_q > 1  # SDPA's is_causal is top-left aligned; one query sees every key
+    paths = dict(tiled_paths)
+    paths.update({
         "bare ct.launch": lambda: ct.launch(stream, plan.grid, kernel,
                                             arrays.attention + plan.scalars
                                             + plan.variant.constants),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal_sdpa,
                                                        enable_gqa=True),
-        "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
-                                                              scaling=scale),
         "transformers sdpa": lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
                                                             is_causal=causal_sdpa),
-    }
+    })
     for name, fn in paths.items():
         for _ in range(20):  # compile and warm up
             fn()
@@ -110,11 +168,11 @@ def main(argv=None) -> int:
               f"back-to-back/call {total:.3f} ms", flush=True)
 
     def device_context():
-        with torch.cuda.device(device):
+        with torch.cuda.device(q.device):
             pass
 
     for name, fn in {"torch.cuda.device ctx": device_context,
-                     "one tiny torch.empty": lambda: torch.empty(1, device=device)}.items():
+                     "one tiny torch.empty": lambda: torch.empty(1, device=q.device)}.items():
         print(f"{name:22s} host/call {per_call_ms(fn)[0]:.4f} ms")
     return 0
 

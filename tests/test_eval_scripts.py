@@ -289,5 +289,25 @@ def test_host_overhead_says_it_needs_a_gpu():
     from eval import host_overhead
     if torch.cuda.is_available():
         pytest.skip("on a GPU it measures instead")
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    with pytest.raises(SystemExit, match="needs a CUDA GPU.*--stub-launch"):
         host_overhead.main([])
+
+
+def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
+    import cuda.tile as ct
+
+    from eval import host_overhead
+    from hf_tiled_attention import op
+    launch = ct.launch
+    assert host_overhead.main(["--stub-launch", "--batch", "2", "--seq-q", "1",
+                               "--seq", "4096"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # A decode call: keys split over blocks, query heads packed; one line per host path.
+    assert lines[0].startswith("plan: grid (") and "kv_splits 1," not in lines[0]
+    timed = {line[:22].strip(): float(line.split("host/call")[1].split()[0]) for line in lines[1:]}
+    assert set(timed) == {"tiled_attention", "torch.ops custom op", "run_kernel only",
+                          "transformers tiled", "launch_arrays only"}
+    assert all(us > 0 for us in timed.values())
+    # The stubs are gone afterwards, and no plan made under them is left for real calls.
+    assert ct.launch is launch and not op.kernel_available(torch.device("cpu"))
+    assert not op._plans
