@@ -12,7 +12,7 @@ attention function as a model layer does (decode: one query against the cache).
 Without a GPU, ``--stub-launch`` times the host path alone (on any machine): the op takes its
 kernel path on CPU tensors with ``cuda.tile.launch`` a no-op, so every line is Python and torch
 work the host does before the GPU sees a launch (the two ``ct.launch`` calls themselves, about
-10-13 us each on the H200 host, are not in it):
+10-13 us each on the H200 host, are not in it). Everything is timed under ``torch.no_grad()``:
 
     python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
 
@@ -89,6 +89,7 @@ def per_call_ms(fn, calls: int = CALLS) -> tuple[float, float]:
     return host, (time.perf_counter() - start) / calls * 1e3
 
 
+@torch.no_grad()  # as generate() runs (with autograd on, the op also checks requires_grad)
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     }
     if args.stub_launch:
         with stubbed_launch():
-            tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None)
+            tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None, True)
             for name, fn in tiled_paths.items():
                 print(f"{name:22s} host/call {host_us(fn):.1f} us (launches stubbed)", flush=True)
         return 0

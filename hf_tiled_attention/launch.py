@@ -9,11 +9,10 @@ dispatch without a GPU. :func:`launch_arrays` builds the arrays a launch passes 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -320,20 +319,60 @@ def merge_kernel():
     return merge_splits
 
 
-def _placeholder(device: torch.device, dtype: torch.dtype, ndim: int,
-                 capturing: bool) -> torch.Tensor:
-    """A tiny array for kernel parameters a variant never reads (no mask, no LSE): never read,
-    so left uninitialised. Reused across calls (allocations are a large part of a short call's
-    host time), except while a CUDA graph is being captured: one first made then would live in
-    the graph's private memory pool."""
+class Placeholders(NamedTuple):
+    """Tiny arrays for the kernel parameters a variant never reads (no LSE, mask or table)."""
+    lse: torch.Tensor
+    mask: torch.Tensor
+    states: torch.Tensor
+    ranges: torch.Tensor
+
+
+def _placeholders(device: torch.device, lse_ndim: int, capturing: bool) -> Placeholders:
+    """Never read, so left uninitialised. Reused across calls (allocations are a large part of
+    a short call's host time), except while a CUDA graph is being captured: one first made then
+    would live in the graph's private memory pool."""
     if capturing:
-        return torch.empty((1,) * ndim, dtype=dtype, device=device)
-    return _reused_placeholder(device, dtype, ndim)
+        return _new_placeholders(device, lse_ndim)
+    return _reused_placeholders(device, lse_ndim)
 
 
-@functools.lru_cache(maxsize=None)
-def _reused_placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    return torch.empty((1,) * ndim, dtype=dtype, device=device)
+def _new_placeholders(device: torch.device, lse_ndim: int) -> Placeholders:
+    return Placeholders(*(torch.empty((1,) * ndim, dtype=dtype, device=device) for dtype, ndim in
+                          ((torch.float32, lse_ndim), (torch.uint8, 4), (torch.int8, 4),
+                           (torch.int32, 4))))
+
+
+_reused_placeholders = functools.lru_cache(maxsize=None)(_new_placeholders)
+
+
+# Key-split workspaces kept for reuse (see _split_buffers), and the most bytes they may hold.
+_split_workspaces: dict = {}
+_MAX_KEPT_WORKSPACE_BYTES = 64 << 20
+
+
+def _split_buffers(views: "BufferViews", device: torch.device,
+                   reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs, partial LSEs) of a launch that splits its keys: views into one fp32
+    workspace. With ``reuse`` the workspace of a (views, device, stream) is kept and reused (a
+    decode call then allocates and views three tensors fewer): launches on one stream run in
+    order, so a call's merge has read it before the next call's kernel writes it."""
+    key = None
+    if reuse:
+        stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
+                  else None)  # (CPU: the host-time harness, launches stubbed)
+        key = (views, device, stream)
+        buffers = _split_workspaces.get(key)
+        if buffers is not None:
+            return buffers
+    workspace = torch.empty(views.workspace, dtype=torch.float32, device=device)
+    buffers = (workspace.as_strided(*views.part_out, views.part_offset),
+               workspace.as_strided(*views.part_lse))
+    if key is not None:
+        kept = sum(k[0].workspace for k in _split_workspaces) * 4
+        if kept + views.workspace * 4 > _MAX_KEPT_WORKSPACE_BYTES:
+            _split_workspaces.clear()  # (a workspace still in use stays alive with its call)
+        _split_workspaces[key] = buffers
+    return buffers
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -388,10 +427,12 @@ class LaunchArrays(NamedTuple):
 
 
 def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor,
-                  mask: Optional[CompactMask | ModMask]) -> LaunchArrays:
+                  value: torch.Tensor, mask: Optional[CompactMask | ModMask],
+                  reuse_workspace: bool = False) -> LaunchArrays:
     """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
-    is how :func:`export_signatures` sees exactly the arrays a real launch passes."""
+    is how :func:`export_signatures` sees exactly the arrays a real launch passes.
+    ``reuse_workspace``: keep the key splits' workspace for the next call (eager calls only:
+    see :func:`run_kernel`)."""
     variant, views = plan.variant, plan.views
     device = query.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -408,18 +449,15 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         out_rows = out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
+    unused = _placeholders(device, 4 if variant.g_tile > 1 else 3, capturing)
     if lse_rows is None:
-        lse_rows = _placeholder(device, torch.float32, 4 if variant.g_tile > 1 else 3, capturing)
+        lse_rows = unused.lse
     merge = None
     out_arg, lse_arg = out_rows, lse_rows
     if views.part_out is not None:  # fp32 partial results per key slice, combined by the merge
-        workspace = torch.empty(views.workspace, dtype=torch.float32, device=device)
-        out_arg = workspace.as_strided(*views.part_out, views.part_offset)
-        lse_arg = workspace.as_strided(*views.part_lse)
+        out_arg, lse_arg = _split_buffers(views, device, reuse_workspace and not capturing)
         merge = (out_arg, lse_arg, out_rows, lse_rows)
-    mask_arg = _placeholder(device, torch.uint8, 4, capturing)
-    states = _placeholder(device, torch.int8, 4, capturing)
-    ranges = _placeholder(device, torch.int32, 4, capturing)
+    mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
         # the reinterpretation never reaches a traced graph.
@@ -432,39 +470,42 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
 
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: Optional[CompactMask | ModMask],
+               mask: Optional[CompactMask | ModMask], *, eager: bool = True,
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches the attention kernel (and the merge when the keys are split) on the current
-    stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it."""
+    stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
+    for the registered op's calls: torch.compile's CUDA graphs warm up and record them with
+    allocations routed to a graph's memory pool, which must not hold a workspace kept for
+    later calls."""
     import cuda.tile as ct
 
-    arrays = launch_arrays(plan, query, key, value, mask)
+    arrays = launch_arrays(plan, query, key, value, mask, reuse_workspace=eager)
     device = query.device
     # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
     stream = torch._C._cuda_getCurrentRawStream(device.index)
 
-    def launch():
-        with _errors_name_the_mods(plan):  # the first launch compiles
-            ct.launch(stream, plan.grid, plan_kernel(plan),
-                      arrays.attention + plan.scalars + plan.variant.constants)
-        if arrays.merge is not None:
-            ct.launch(stream, plan.merge_grid, merge_kernel(),
-                      arrays.merge + (plan.kv_splits,) + plan.merge)
-
     if device.index == torch.cuda.current_device():
-        launch()
+        _launch(ct, stream, plan, arrays)
     else:  # the launch goes to the current device's context
         with torch.cuda.device(device):
-            launch()
+            _launch(ct, stream, plan, arrays)
     return arrays.out, arrays.lse
 
 
-@contextlib.contextmanager
-def _errors_name_the_mods(plan: LaunchPlan):
-    """A cuTile compile error in a kernel copy with user mods names the mods and the generated
-    module it came from (else it points into kernel.py)."""
+def _launch(ct, stream: int, plan: LaunchPlan, arrays: LaunchArrays) -> None:
+    _naming_the_mods(plan, ct.launch, stream, plan.grid, plan_kernel(plan),  # compiles once
+                     arrays.attention + plan.scalars + plan.variant.constants)
+    if arrays.merge is not None:
+        ct.launch(stream, plan.merge_grid, merge_kernel(),
+                  arrays.merge + (plan.kv_splits,) + plan.merge)
+
+
+def _naming_the_mods(plan: LaunchPlan, compiles: Callable, *args, **kwargs):
+    """``compiles(*args, **kwargs)``, where a cuTile error in a kernel copy with user mods
+    becomes one that names the mods and the generated module it came from (else it points into
+    kernel.py). A plain call, not a context manager: this runs on every launch."""
     try:
-        yield
+        return compiles(*args, **kwargs)
     except Exception as exc:
         mods = plan.variant.mods
         if mods is None or not type(exc).__module__.startswith("cuda.tile"):
@@ -540,6 +581,6 @@ def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     else:
         raise ValueError(f"kernel must be 'attention' or 'merge', got {kernel!r}")
     buffer = io.BytesIO()
-    with _errors_name_the_mods(plan):
-        export_kernel(compiled, [signature], buffer, gpu_code=arch, output_format="cubin")
+    _naming_the_mods(plan, export_kernel, compiled, [signature], buffer, gpu_code=arch,
+                     output_format="cubin")
     return buffer.getvalue()

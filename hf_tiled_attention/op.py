@@ -180,17 +180,19 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which
     # every layer of every step would rebuild; the kernel applies it on each visited tile.
     return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
-                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=False)
+                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=False,
+                    eager=False)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
              softcap: Optional[float], diag_offset: int, explicit: Schedule,
              return_lse: bool, key_mask_table: bool = True,
-             mods: Optional[CompiledMods] = None,
+             mods: Optional[CompiledMods] = None, eager: bool = True,
              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
-    The LSE is None when not ``return_lse`` (the kernel path skips it)."""
+    The LSE is None when not ``return_lse`` (the kernel path skips it). ``eager``: False when
+    called as the registered op (see :func:`launch.run_kernel`)."""
     device = query.device
     if query.numel() == 0 or not kernel_available(device):
         if query.numel():
@@ -212,7 +214,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[memo_key] = plan
-    return run_kernel(plan, query, key, value, mask)
+    return run_kernel(plan, query, key, value, mask, eager=eager)
 
 
 _plans: dict = {}
@@ -238,10 +240,11 @@ def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, 
                                     head_dim_tile(query.shape[-1]), causal,
                                     autotune.seq_bucket(key.shape[2]),
                                     query.shape[2] <= SHORT_QUERY_ROWS)
-        tuned = autotune.tuned_schedule(
+        tuned = autotune.tuned_schedule(  # (candidates keep no workspaces: eager=False)
             tune_key, lambda candidate: run_kernel(plan_with(resolve_schedule(
                 None, arch_major, query.dtype, query.shape[-1], causal, tuned=candidate,
-                seq_q=query.shape[2], seq_kv=key.shape[2])), query, key, value, mask),
+                seq_q=query.shape[2], seq_kv=key.shape[2])), query, key, value, mask,
+                eager=False),
             cuda=True)
     return plan_with(resolve_schedule(explicit, arch_major, query.dtype, query.shape[-1],
                                       causal, tuned=tuned, seq_q=query.shape[2],

@@ -174,3 +174,48 @@ def test_decode_packing_can_be_turned_off():
     plan, _ = _plan(torch.bfloat16, 128, **dict(DECODE, schedule=Schedule(pack_gqa=False,
                                                                            kv_splits=1)))
     assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None
+
+
+def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
+    from hf_tiled_attention import launch
+
+    monkeypatch.setattr(launch, "_split_workspaces", {})
+    plan, (q, k, _) = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None))
+    q, k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
+    first = launch.launch_arrays(plan, q, k, k, None, reuse_workspace=True)
+    again = launch.launch_arrays(plan, q, k, k, None, reuse_workspace=True)
+    # The merge's inputs (partial outputs and LSEs) are the same memory call after call, laid
+    # out as a fresh workspace would be; the output is new every call.
+    fresh = launch.launch_arrays(plan, q, k, k, None).merge[:2]
+    for kept, repeat, new in zip(first.merge[:2], again.merge[:2], fresh):
+        assert kept.data_ptr() == repeat.data_ptr() != new.data_ptr()
+        assert (kept.shape, kept.stride(), kept.storage_offset()) == \
+            (new.shape, new.stride(), new.storage_offset())
+    assert first.out.data_ptr() != again.out.data_ptr()
+    assert first.attention[3] is first.merge[0]  # the kernel writes what the merge reads
+    # Another plan gets its own; past the byte budget the kept ones are dropped, not grown.
+    other, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=4))
+    launch.launch_arrays(other, q, k[:, :4], k[:, :4], None, reuse_workspace=True)
+    assert len(launch._split_workspaces) == 2
+    monkeypatch.setattr(launch, "_MAX_KEPT_WORKSPACE_BYTES", plan.views.workspace * 4 * 2)
+    third, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=2))
+    launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, reuse_workspace=True)
+    assert [key[0] for key in launch._split_workspaces] == [third.views]
+
+
+def test_only_eager_calls_keep_a_workspace(monkeypatch):
+    # The registered op (torch.compile, CUDA graphs: allocations may come from a graph's pool)
+    # and autotuning candidates allocate theirs per call; an eager decode call keeps its own.
+    from eval.host_overhead import stubbed_launch
+    from hf_tiled_attention import launch, op
+
+    monkeypatch.setattr(launch, "_split_workspaces", {})
+    q = torch.randn(2, 32, 1, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 4096, 128, dtype=torch.bfloat16)
+    with stubbed_launch():
+        torch.ops.hf_tiled_attention.attention(q, k, k, None, 0, True, 0.1, 0, 0.0, 4095,
+                                               Schedule().as_list())
+        assert not launch._split_workspaces
+        op.attention(q, k, k, None, causal=True, scale=0.1, window=None, softcap=None,
+                     diag_offset=4095)
+        assert len(launch._split_workspaces) == 1
