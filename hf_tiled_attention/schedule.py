@@ -109,14 +109,21 @@ class Schedule:
 
     @classmethod
     def from_list(cls, values: list[int]) -> "Schedule":
-        fields = dataclasses.fields(cls)
-        if len(values) != len(fields):
-            raise ValueError(f"expected {len(fields)} schedule values, got {len(values)}")
-        decoded = {}
-        for f, v in zip(fields, values):
-            if v != -1:
-                decoded[f.name] = bool(v) if f.name in _BOOL_FIELDS else int(v)
-        return cls(**decoded)
+        """The schedule :meth:`as_list` encoded (the registered op decodes one per call, so a
+        decoded list is remembered)."""
+        return _decoded(cls, tuple(values))
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(cls: type, values: tuple) -> Schedule:
+    fields = dataclasses.fields(cls)
+    if len(values) != len(fields):
+        raise ValueError(f"expected {len(fields)} schedule values, got {len(values)}")
+    decoded = {}
+    for f, v in zip(fields, values):
+        if v != -1:
+            decoded[f.name] = bool(v) if f.name in _BOOL_FIELDS else int(v)
+    return cls(**decoded)
 
 
 def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
