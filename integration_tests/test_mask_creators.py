@@ -65,6 +65,9 @@ if "block_sequence_ids" in inspect.signature(mu.create_causal_mask).parameters:
         torch.tensor([[-1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, -1]] * 2))})
 OVERLAY_CASES = ("chunked", "causal-packed", "causal-and-overlay", "causal-or-blocks",
                  "causal-block-ids")
+# The cache argument's name: `cache` from transformers 5.2x, `past_key_values` before.
+NO_CACHE = {"cache" if "cache" in inspect.signature(mu.create_causal_mask).parameters
+            else "past_key_values": None}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,8 +77,8 @@ def test_mask_creator_is_compact_and_exact(case):
     _, pad = padded_batch([12, 9], 12, "left", seed=3)
     pad = kwargs.pop("pad", pad)
     embeds = torch.zeros(2, 12, 64)
-    tiled = create(_config(model, "tiled"), embeds, pad, cache=None, **kwargs)
-    eager = create(_config(model, "eager"), embeds, pad, cache=None, **kwargs)
+    tiled = create(_config(model, "tiled"), embeds, pad, **NO_CACHE, **kwargs)
+    eager = create(_config(model, "eager"), embeds, pad, **NO_CACHE, **kwargs)
     assert isinstance(tiled, tb.TiledMask) and tiled.dense is None
     assert (tiled.mods is not None) == (case in OVERLAY_CASES)
     assert torch.equal(visibility(tiled), eager == 0)
