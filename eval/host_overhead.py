@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     }
     if args.stub_launch:
         with stubbed_launch():
-            tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None, True)
+            # (0: the stubbed current stream, whose next calls reuse the split workspace)
+            tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None, 0)
             for name, fn in tiled_paths.items():
                 print(f"{name:22s} host/call {host_us(fn):.1f} us (launches stubbed)", flush=True)
         return 0

@@ -351,15 +351,13 @@ _MAX_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
 def _split_buffers(views: "BufferViews", device: torch.device,
-                   reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial outputs, partial LSEs) of a launch that splits its keys: views into one fp32
-    workspace. With ``reuse`` the workspace of a (views, device, stream) is kept and reused (a
-    decode call then allocates and views three tensors fewer): launches on one stream run in
-    order, so a call's merge has read it before the next call's kernel writes it."""
+    workspace. With a ``stream`` (raw handle) the workspace of a (views, device, stream) is kept
+    and reused (a decode call then allocates and views three tensors fewer): launches on one
+    stream run in order, so a call's merge has read it before the next call's kernel writes it."""
     key = None
-    if reuse:
-        stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
-                  else None)  # (CPU: the host-time harness, launches stubbed)
+    if stream is not None:
         key = (views, device, stream)
         buffers = _split_workspaces.get(key)
         if buffers is not None:
@@ -428,11 +426,11 @@ class LaunchArrays(NamedTuple):
 
 def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, mask: Optional[CompactMask | ModMask],
-                  reuse_workspace: bool = False) -> LaunchArrays:
+                  keep_for_stream: Optional[int] = None) -> LaunchArrays:
     """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
     is how :func:`export_signatures` sees exactly the arrays a real launch passes.
-    ``reuse_workspace``: keep the key splits' workspace for the next call (eager calls only:
-    see :func:`run_kernel`)."""
+    ``keep_for_stream``: the stream (raw handle) whose next calls reuse the key splits'
+    workspace (eager calls only: see :func:`run_kernel`); None: a fresh one."""
     variant, views = plan.variant, plan.views
     device = query.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -455,7 +453,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     merge = None
     out_arg, lse_arg = out_rows, lse_rows
     if views.part_out is not None:  # fp32 partial results per key slice, combined by the merge
-        out_arg, lse_arg = _split_buffers(views, device, reuse_workspace and not capturing)
+        out_arg, lse_arg = _split_buffers(views, device, None if capturing else keep_for_stream)
         merge = (out_arg, lse_arg, out_rows, lse_rows)
     mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
@@ -479,10 +477,10 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     later calls."""
     import cuda.tile as ct
 
-    arrays = launch_arrays(plan, query, key, value, mask, reuse_workspace=eager)
     device = query.device
     # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
     stream = torch._C._cuda_getCurrentRawStream(device.index)
+    arrays = launch_arrays(plan, query, key, value, mask, stream if eager else None)
 
     if device.index == torch.cuda.current_device():
         _launch(ct, stream, plan, arrays)

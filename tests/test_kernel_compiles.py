@@ -182,8 +182,8 @@ def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     monkeypatch.setattr(launch, "_split_workspaces", {})
     plan, (q, k, _) = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None))
     q, k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
-    first = launch.launch_arrays(plan, q, k, k, None, reuse_workspace=True)
-    again = launch.launch_arrays(plan, q, k, k, None, reuse_workspace=True)
+    first = launch.launch_arrays(plan, q, k, k, None, keep_for_stream=0)
+    again = launch.launch_arrays(plan, q, k, k, None, keep_for_stream=0)
     # The merge's inputs (partial outputs and LSEs) are the same memory call after call, laid
     # out as a fresh workspace would be; the output is new every call.
     fresh = launch.launch_arrays(plan, q, k, k, None).merge[:2]
@@ -195,11 +195,11 @@ def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     assert first.attention[3] is first.merge[0]  # the kernel writes what the merge reads
     # Another plan gets its own; past the byte budget the kept ones are dropped, not grown.
     other, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=4))
-    launch.launch_arrays(other, q, k[:, :4], k[:, :4], None, reuse_workspace=True)
+    launch.launch_arrays(other, q, k[:, :4], k[:, :4], None, keep_for_stream=0)
     assert len(launch._split_workspaces) == 2
     monkeypatch.setattr(launch, "_MAX_KEPT_WORKSPACE_BYTES", plan.views.workspace * 4 * 2)
     third, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=2))
-    launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, reuse_workspace=True)
+    launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
     assert [key[0] for key in launch._split_workspaces] == [third.views]
 
 
