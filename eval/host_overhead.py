@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from hf_tiled_attention.timing import median_ms  # noqa: E402
 from eval.common import parse_heads  # noqa: E402
 
 CALLS = 200
+STUB_CALLS = 2000  # host work alone: more calls per round for the same resolution
 
 
 @contextlib.contextmanager
@@ -65,27 +67,17 @@ def stubbed_launch():
             op._plans.clear()
 
 
-def host_us(fn, calls: int = 2000, rounds: int = 7) -> float:
-    """Median over ``rounds`` of the host microseconds per call of ``calls`` calls in a row."""
-    for _ in range(calls // 10):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(times)[rounds // 2]
-
-
-def per_call_ms(fn, calls: int = CALLS) -> tuple[float, float]:
-    """(host ms per call with calls queued, ms per call back to back incl. the GPU)."""
-    torch.cuda.synchronize()
+def per_call_ms(fn, calls: int = CALLS, cuda: bool = True) -> tuple[float, float]:
+    """(host ms per call with calls queued, ms per call back to back incl. the GPU; without
+    ``cuda`` both are the host's)."""
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return host, (time.perf_counter() - start) / calls * 1e3
 
 
@@ -142,7 +134,11 @@ def main(argv=None) -> int:
             # (0: the stubbed current stream, whose next calls reuse the split workspace)
             tiled_paths["launch_arrays only"] = lambda: launch_arrays(plan, q, k, v, None, 0)
             for name, fn in tiled_paths.items():
-                print(f"{name:22s} host/call {host_us(fn):.1f} us (launches stubbed)", flush=True)
+                per_call_ms(fn, STUB_CALLS // 10, cuda=False)  # warm-up
+                # Median of 7 rounds: this CPU's scheduling hiccups stay out of the number.
+                us = statistics.median(per_call_ms(fn, STUB_CALLS, cuda=False)[0]
+                                       for _ in range(7)) * 1e3
+                print(f"{name:22s} host/call {us:.1f} us (launches stubbed)", flush=True)
         return 0
 
     import cuda.tile as ct
