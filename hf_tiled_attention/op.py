@@ -151,8 +151,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
-    if mods is None and (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value)))):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if mods is None and (torch.compiler.is_compiling() or needs_grad):
         mask_tensor = None if mask is None else mask.tensor
         mask_kind = 0 if mask is None else mask.kind
         # Traced graphs need the registered op (fake impl); so does autograd (its backward
@@ -163,8 +163,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
-    if mods is not None and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value)):
+    if mods is not None and needs_grad:
         raise NotImplementedError(FORWARD_ONLY)  # mods take no custom op, hence no backward
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
