@@ -99,7 +99,7 @@ def attention_forward(
     MASK_HEADED: ConstBool,   # mask has a head dim of size Hq (else 1)
     MASK_ROWS: ConstBool,     # mask has one row per query (else one row for all queries)
     MASK_TABLE: ConstBool,    # TileState holds each tile's state and TileRange each query tile's
-                              # [first, end) non-empty key tiles (else: apply the mask on every
+                              # key-tile ranges (masks.BlockTable) (else: apply the mask on every
                               # visited tile; only for a key vector)
     SCORE_UNIT: ConstFloat,   # LOG2E: scores kept in log2 units; 1.0: natural units
     FOLD_SCALE: ConstBool,    # score_scale > 0 applied inside the exponent (no softcap/bias)
