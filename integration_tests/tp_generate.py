@@ -48,6 +48,15 @@ def main() -> None:
             "max_logit_diff": (logits_t - logits_s).abs().max().item(),
             "tokens_equal": torch.equal(tokens_t, tokens_s),
         }))
+    # transformers opened the process group: close it on every rank, then leave without the
+    # interpreter's teardown, where a still-running gloo thread was now and then destroyed
+    # ("terminate called without an active exception", SIGABRT after the report was written).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
