@@ -1,7 +1,7 @@
-"""Tensor parallelism: transformers' ``tp_plan="auto"`` under ``torchrun --nproc-per-node 2``
-splits every layer's heads over two processes; "tiled" then sees half the heads per rank and
-must give sdpa's greedy tokens (fp32). On the CPU (gloo) here; on two GPUs (NCCL) with the
-``gpu`` marker, skipped where there are fewer."""
+"""Tensor parallelism: transformers' ``DistributedConfig(tp_plan="auto")`` under
+``torchrun --nproc-per-node 2`` splits every layer's heads over two processes; "tiled" then
+sees half the heads per rank and must give sdpa's greedy tokens (fp32). On the CPU (gloo) here;
+on two GPUs (NCCL) with the ``gpu`` marker, skipped where there are fewer."""
 
 import json
 import os

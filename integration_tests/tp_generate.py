@@ -1,6 +1,7 @@
 """Run under ``torchrun --nproc-per-node 2``: a saved model loaded with transformers' tensor
-parallelism (``tp_plan="auto"``: each rank holds half of every layer's heads), prefill logits and
-greedy ``generate`` with "tiled" and "sdpa". Rank 0 writes a JSON report (argv[2]).
+parallelism (``DistributedConfig(tp_plan="auto")``: each rank holds half of every layer's
+heads), prefill logits and greedy ``generate`` with "tiled" and "sdpa". Rank 0 writes a JSON
+report (argv[2]).
 
     torchrun --nproc-per-node 2 integration_tests/tp_generate.py MODEL_DIR REPORT.json
 """
@@ -34,7 +35,8 @@ def main() -> None:
     results = {}
     for impl in ("tiled_tp_probe", "sdpa"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, attn_implementation=impl, tp_plan="auto", dtype=torch.float32).eval()
+            folder, attn_implementation=impl, dtype=torch.float32,
+            distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
         with torch.no_grad():
             logits = model(ids.to(model.device)).logits.float().cpu()
             tokens = model.generate(ids.to(model.device), max_new_tokens=10, min_new_tokens=10,
