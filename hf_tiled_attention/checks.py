@@ -93,3 +93,21 @@ def check_options(is_causal: bool, scale: Optional[float], window: Optional[int]
     if schedule is not None and not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a hf_tiled_attention.Schedule or None, got "
                         f"{type(schedule).__name__}")
+
+
+def check_sinks(sinks: Optional[torch.Tensor], query: torch.Tensor) -> None:
+    """Attention-sink logits: one per query head, floating point, on the query's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (Hq,) or None, got "
+                        f"{type(sinks).__name__}")
+    heads_q = query.shape[1]
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads_q},), one logit per query "
+                         f"head, got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks must be on the query's device ({query.device}), got "
+                         f"{sinks.device}")

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import autotune
-from .checks import check_inputs, check_options
+from .checks import check_inputs, check_options, check_sinks
 from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, mod_mask, reused_compact_mask
 from .mods import CompiledMods, compile_mods
@@ -47,6 +47,7 @@ def tiled_attention(
     return_lse: bool = False,
     score_mod: Optional[Callable] = None,
     mask_mod: Optional[Callable] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Scaled dot-product attention, forward only, on the cuTile kernel.
 
@@ -82,20 +83,26 @@ def tiled_attention(
             run in the kernel (see :mod:`hf_tiled_attention.mods` for what they may contain)
             and in the reference path; ready-made ones are in
             :mod:`hf_tiled_attention.variants`. Eager calls only (not under torch.compile).
+        sinks: ``(Hq,)`` attention-sink logits (gpt-oss's learned sinks): each row's softmax
+            gets one more term, ``exp(sinks[h])``, for a sink that is always visible, is not
+            scaled, capped or modded, and whose value is zero. The output shrinks by
+            ``Z / (Z + exp(sinks[h]))``; a row with no visible key stays exactly 0.
 
     Returns:
         ``out`` ``(B, Hq, Sq, D)`` in the input dtype, or ``(out, lse)``. A query row with no
-        visible key gets an output of exactly 0 and an LSE of ``-inf``.
+        visible key gets an output of exactly 0 and an LSE of ``-inf`` (with ``sinks``: the
+        sink's logit; the LSE always covers every term of the softmax).
     """
     check_inputs(query, key, value)
     check_options(is_causal, scale, window, softcap, schedule, return_lse)
+    check_sinks(sinks, query)
     diag_offset = key.shape[2] - query.shape[2]
     mods = None
     if score_mod is not None or mask_mod is not None:
         mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap, query)
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
-                         schedule=schedule, return_lse=return_lse, mods=mods)
+                         schedule=schedule, return_lse=return_lse, mods=mods, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -127,6 +134,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               window: Optional[int], softcap: Optional[float], diag_offset: int,
               schedule: Optional[Schedule] = None, return_lse: bool = True,
               key_mask_table: bool = True, mods: Optional[CompiledMods] = None,
+              sinks: Optional[torch.Tensor] = None,
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Checked-argument entry with an explicit diagonal: query row ``i`` sits at key position
     ``i + diag_offset`` for causal and window masking (the transformers adapter uses this for
@@ -135,7 +143,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     layers so its tile tables are built once; ``key_mask_table=False`` skips that table for a
     key-vector mask used once (the kernel then applies it on every key tile it visits).
     Returns ``(out, lse)``; ``lse`` is None unless ``return_lse`` (a kernel that skips it saves
-    an allocation and its stores). ``mods``: a translated score_mod / mask_mod (eager only)."""
+    an allocation and its stores). ``mods``: a translated score_mod / mask_mod (eager only).
+    ``sinks``: checked ``(Hq,)`` sink logits."""
+    if sinks is not None:
+        out, lse = attention(query, key, value, attn_mask, causal=causal, scale=scale,
+                             window=window, softcap=softcap, diag_offset=diag_offset,
+                             schedule=schedule, return_lse=True, key_mask_table=key_mask_table,
+                             mods=mods)
+        out, lse = with_sinks(out, lse, sinks)
+        return out, (lse if return_lse else None)
     batch, heads_q, seq_q, head_dim = query.shape
     mask = attn_mask
     if mods is not None and mods.mask_mod is not None:
@@ -168,6 +184,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
                     mods)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` / ``lse`` of a softmax over the keys, turned into those of the softmax with one
+    more term per row, ``exp(sinks[h])``, whose value is zero: every weight is divided by
+    ``1 + exp(sink - lse)``, so the output is scaled by ``sigmoid(lse - sink)`` (exactly 0 for a
+    row with no visible key, ``lse = -inf``). Plain torch ops: traced and captured as they are,
+    and differentiable in ``sinks``."""
+    sink = sinks.float()[:, None]  # (Hq, 1) against lse (B, Hq, Sq)
+    keep = torch.sigmoid(lse - sink)
+    return (out * keep[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
 
 
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())

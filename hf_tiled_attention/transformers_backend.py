@@ -50,6 +50,10 @@ and a tensor of fixed shape is the one thing that crosses into the compiled step
 recompile per step (an object's identity or a Python int that changes per step would not). The
 kernel applies it on every key tile it visits, with no per-tile table to rebuild per layer.
 
+Learned attention sinks (gpt-oss and its kin pass them as ``s_aux``, one logit per query head)
+go to the op's ``sinks``. Arguments the kernel has no mode for (``position_bias``, sparse
+attention's ``indices``) are a clear error, never silently dropped.
+
 The attention function additionally separates packed sequences signalled only through its
 kwargs (``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``, or restarting ``position_ids``
 when transformers did not already mask them because a cache was passed) with a mask_mod (see
@@ -67,7 +71,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .checks import check_inputs
+from .checks import check_inputs, check_sinks
 from .masks import CompactMask, compact_mask, position_visibility
 from .mods import CompiledMods, ModError, compile_mods
 from .op import attention as _op_attention
@@ -458,7 +462,16 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if kwargs.get("position_bias") is not None:
         raise ValueError("attn_implementation='tiled' does not support position_bias; "
                          "use attn_implementation='eager' or 'sdpa'.")
+    for name in ("indices", "block_indices"):  # sparse attention's chosen keys (DeepSeek DSA)
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='tiled' does not support sparse attention "
+                             f"({name}=...); use attn_implementation='eager'.")
     check_inputs(query, key, value)
+    # gpt-oss and its kin pass learned attention sinks as s_aux: one logit per query head.
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    check_sinks(sinks, query)
     batch, heads_q, seq_q, _ = query.shape
     seq_kv = key.shape[2]
     softcap = kwargs.get("softcap")
@@ -555,7 +568,8 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # A per-tile table pays off only when the forward's layers share it (through the memo).
     out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
                            window=window, softcap=softcap, diag_offset=diag_offset,
-                           return_lse=False, key_mask_table=memo is not None, mods=mods)
+                           return_lse=False, key_mask_table=memo is not None, mods=mods,
+                           sinks=sinks)
     return out.transpose(1, 2), None
 
 

@@ -44,6 +44,10 @@ def make_config(name: str):
             layer_types=["sliding_attention", "full_attention"]))
     if name == "phi3":
         return transformers.Phi3Config(**_common(sliding_window=None))
+    if name == "gpt_oss":  # learned attention sinks (s_aux), mixed sliding/full layers, MoE
+        return transformers.GptOssConfig(**_common(
+            head_dim=16, sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1,
+            layer_types=["sliding_attention", "full_attention"]))
     if name == "llama4":  # text only: chunked attention (chunks of 8) on its first layer
         return transformers.Llama4TextConfig(**_common(
             head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
@@ -51,10 +55,10 @@ def make_config(name: str):
     raise KeyError(name)
 
 
-ALL_MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+ALL_MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss"]
 # Models whose masks transformers builds with overlays (tested on their own).
 OVERLAY_MODELS = ["llama4"]
-SLIDING_MODELS = ["mistral", "qwen2", "gemma2", "gemma3"]
+SLIDING_MODELS = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 
 _CACHE: dict = {}
 

@@ -14,7 +14,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2", "gpt_oss"])
 def test_compiled_forward_fullgraph(name):
     """fullgraph=True: any graph break (ours included) fails the compile."""
     tiled, eager = pair(name)
@@ -37,7 +37,7 @@ def test_compiled_forward_inductor():
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
 def test_compiled_static_cache_decode(name):
     """Decode steps compiled with fullgraph=True on a StaticCache (traced query offset),
     left-padded, greedy, against eager step by step."""

@@ -49,6 +49,31 @@ def test_window_actually_bites():
     assert diff > 1e-2
 
 
+def test_attention_sinks_actually_bite():
+    """Negative control for gpt-oss's learned sinks (the s_aux kwarg): a backend that drops
+    them is far from eager, so test_padded_forward_matches_eager[gpt_oss] checks them."""
+    def without_sinks(module, *args, s_aux=None, **kwargs):
+        return tb.tiled_attention_forward(module, *args, **kwargs)
+
+    transformers.AttentionInterface.register("tiled_without_sinks", without_sinks)
+    transformers.masking_utils.AttentionMaskInterface.register("tiled_without_sinks",
+                                                               tb.tiled_mask)
+    dropped, eager = build("gpt_oss", "tiled_without_sinks"), build("gpt_oss", "eager")
+    ids = torch.randint(3, 128, (2, 20))
+    with torch.no_grad():
+        assert (dropped(ids).logits - eager(ids).logits).abs().max() > 1e-1
+
+
+@pytest.mark.parametrize("name", ["indices", "block_indices"])
+def test_sparse_attention_kwargs_are_a_clear_error(name):
+    """DeepSeek-style sparse attention passes the keys each query keeps; the kernel has no
+    such mode, so the call fails instead of attending to every key."""
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match=f"sparse attention \\({name}="):
+        tb.tiled_attention_forward(torch.nn.Module(), q, k, k, None, scaling=0.25,
+                                   **{name: torch.zeros(1, 3, 2, dtype=torch.long)})
+
+
 def test_fully_padded_rows_are_zero_not_nan():
     """A query row with no visible key (a left-pad position) gives 0 attention output."""
     tiled, _ = pair("llama")

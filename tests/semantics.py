@@ -14,9 +14,10 @@ import torch
 
 
 def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None, window=None,
-               softcap=None, score_mod=None, mask_mod=None):
+               softcap=None, score_mod=None, mask_mod=None, sinks=None):
     """fp64 SDPA with the op's semantics; returns (out, lse). Mods are applied to the whole
-    (B, Hq, Sq, Skv) score matrix at once, on broadcasting index tensors."""
+    (B, Hq, Sq, Skv) score matrix at once, on broadcasting index tensors. ``sinks`` (Hq,): one
+    more key per head, always visible, with that logit and a zero value."""
     q, k, v = (t.double() for t in (query, key, value))
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -52,6 +53,10 @@ def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None
     # Hidden keys get -inf whatever their score (a NaN there does not leak, as in eager attention
     # with a boolean mask); a visible NaN score or value makes the row NaN.
     s = s.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        sink_logits = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        s = torch.cat([s, sink_logits], dim=-1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
     return p @ v, lse
@@ -71,12 +76,13 @@ class Case:
     scale: Optional[float] = None
     mask: Optional[str] = None      # see make_mask
     strided: bool = False           # q/k/v as (B, S, H, D) memory viewed as (B, H, S, D)
+    sinks: bool = False             # attention-sink logits per query head (make_sinks)
 
     @property
     def name(self) -> str:
         parts = [f"b{self.batch}h{self.heads_q}-{self.heads_kv}q{self.seq_q}k{self.seq_kv}"
                  f"d{self.head_dim}"]
-        for flag in ("causal", "strided"):
+        for flag in ("causal", "strided", "sinks"):
             if getattr(self, flag):
                 parts.append(flag)
         for field in ("window", "softcap", "scale", "mask"):
@@ -138,8 +144,15 @@ def make_inputs(case: Case, device, dtype, seed: int = 0):
     return q, k, v, mask
 
 
-def op_kwargs(case: Case) -> dict:
-    return dict(is_causal=case.causal, window=case.window, softcap=case.softcap, scale=case.scale)
+def make_sinks(case: Case, device) -> torch.Tensor:
+    """Sink logits of both signs, some larger than a row's typical scores."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    return (torch.randn(case.heads_q, generator=g) * 2 + 1).to(device)
+
+
+def op_kwargs(case: Case, device="cpu") -> dict:
+    return dict(is_causal=case.causal, window=case.window, softcap=case.softcap, scale=case.scale,
+                sinks=make_sinks(case, device) if case.sinks else None)
 
 
 _BASE = Case()
@@ -169,6 +182,10 @@ SEMANTIC_CASES = [
     replace(_BASE, mask="additive_heads", causal=True, window=40),
     replace(_BASE, mask="additive_finfo_min"),
     replace(_BASE, mask="bool_keypad", strided=True, window=20, causal=True, softcap=4.0),
+    replace(_BASE, causal=True, sinks=True),                             # gpt-oss's sinks
+    replace(_BASE, seq_q=1, seq_kv=333, causal=True, window=64, sinks=True),  # decode
+    replace(_BASE, seq_q=150, seq_kv=70, causal=True, sinks=True),       # empty rows stay 0
+    replace(_BASE, mask="bool_empty_rows", softcap=3.0, sinks=True),
 ] + [replace(_BASE, head_dim=d, causal=True) for d in (16, 80, 96, 112, 128, 256)]
 
 

@@ -51,6 +51,18 @@ def test_bad_options(kwargs, error, pattern):
         hta.tiled_attention(*qkv(), **kwargs)
 
 
+@pytest.mark.parametrize("sinks, error, pattern", [
+    ([0.5] * 4, TypeError, r"sinks must be a torch.Tensor of shape \(Hq,\)"),
+    (torch.zeros(2), ValueError, r"sinks must have shape \(Hq,\) = \(4,\).*got \(2,\)"),
+    (torch.zeros(1, 4, 8, 1), ValueError, r"one logit per query head, got \(1, 4, 8, 1\)"),
+    (torch.zeros(4, dtype=torch.int64), TypeError, "sinks must be a floating-point tensor"),
+    (torch.zeros(4, device="meta"), ValueError, "sinks must be on the query's device"),
+])
+def test_bad_sinks(sinks, error, pattern):
+    with pytest.raises(error, match=pattern):
+        hta.tiled_attention(*qkv(), sinks=sinks)
+
+
 @pytest.mark.parametrize("mask, error, pattern", [
     (torch.ones(1, 4, 8, 9, dtype=torch.bool), ValueError, "not broadcastable"),
     (torch.ones(2, 4, 8, 8, dtype=torch.bool), ValueError, "not broadcastable"),

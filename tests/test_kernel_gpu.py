@@ -38,9 +38,9 @@ def check_case(case: Case, dtype, schedule=None, seed=0):
     q, k, v, mask = make_inputs(case, "cuda", dtype, seed=seed)
     poison_allocator(q.numel() * 4)
     out, lse = hta.tiled_attention(q, k, v, mask, return_lse=True, schedule=schedule,
-                                   **op_kwargs(case))
+                                   **op_kwargs(case, "cuda"))
     torch.cuda.synchronize()
-    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(case))
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(case, "cuda"))
     assert out.dtype == dtype
     assert_matches_definition(out, lse, want_out, want_lse, atol=TOLERANCE[dtype], lse_atol=1e-2)
 
@@ -177,7 +177,7 @@ def test_fresh_random_inputs_each_run():
 def test_nan_reaches_the_rows_that_see_it(nan_case, schedule):
     q, k, v, mask = make_nan_inputs(nan_case, "cuda", torch.bfloat16)
     out, lse = hta.tiled_attention(q, k, v, mask, return_lse=True, schedule=schedule,
-                                   **op_kwargs(nan_case.case))
-    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(nan_case.case))
+                                   **op_kwargs(nan_case.case, "cuda"))
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(nan_case.case, "cuda"))
     check_nan_pattern(out, lse, want_out, want_lse, TOLERANCE[torch.bfloat16],
                       nan_case.spreads)

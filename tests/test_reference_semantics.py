@@ -68,6 +68,21 @@ def test_memory_stays_chunked():
     assert seen and max(seen) <= reference.QUERY_CHUNK * max(reference.KEY_CHUNK, 64)
 
 
+def test_sinks_keep_empty_rows_exactly_zero():
+    """A row that sees no key puts all its weight on the sink: output exactly 0, LSE the
+    sink's logit; the other rows shrink by sigmoid(lse - sink)."""
+    q, k, v = torch.randn(1, 4, 12, 32), torch.randn(1, 2, 6, 32), torch.randn(1, 2, 6, 32)
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 5.0])
+    out, lse = hta.tiled_attention(q, k, v, is_causal=True, sinks=sinks, return_lse=True)
+    plain, plain_lse = hta.tiled_attention(q, k, v, is_causal=True, return_lse=True)
+    empty = plain_lse.isinf()
+    assert empty[..., :6].all() and not empty[..., 6:].any()  # Sq > Skv: bottom-right causal
+    assert (out[empty] == 0).all()
+    assert torch.equal(lse[empty], sinks[:, None].expand(1, 4, 12)[empty])
+    shrink = torch.sigmoid(plain_lse - sinks[:, None])[..., None]
+    torch.testing.assert_close(out[:, :, 6:], (plain * shrink)[:, :, 6:])
+
+
 def test_default_scale_and_gqa_against_torch_sdpa():
     q = torch.randn(2, 8, 33, 48)
     k, v = torch.randn(2, 2, 45, 48), torch.randn(2, 2, 45, 48)
