@@ -112,6 +112,27 @@ class TiledMask:
     def dim(self) -> int:
         return 4
 
+    # A model whose own code uses the mask as a tensor (Bloom adds it to its scores, Doge reads
+    # its dtype) bypasses the attention function, the one reader of this object: say so by name
+    # instead of a bare TypeError, or an AttributeError deep in the model.
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # copy, pickle and dataclass internals: the plain error
+            raise AttributeError(name)
+        raise AttributeError(_used_as_tensor(f"attribute .{name}"))
+
+    def _refuse(self, *args):
+        raise TypeError(_used_as_tensor("an operator"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __getitem__ = _refuse
+
+
+def _used_as_tensor(what: str) -> str:
+    return (f"attn_implementation='tiled' hands the model a compact TiledMask that only its "
+            f"attention function reads, but the model's own code used it as a tensor ({what}): "
+            "this model does not run all of its masking through transformers' "
+            "AttentionInterface. Use attn_implementation='sdpa' or 'eager' for it.")
+
 
 def _compiling() -> bool:
     try:
@@ -570,7 +591,9 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            window=window, softcap=softcap, diag_offset=diag_offset,
                            return_lse=False, key_mask_table=memo is not None, mods=mods,
                            sinks=sinks)
-    return out.transpose(1, 2), None
+    # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it (models may
+    # .view() it). Free when Sq == 1; a copy of the output for prefill.
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.device,

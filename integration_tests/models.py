@@ -48,6 +48,11 @@ def make_config(name: str):
         return transformers.GptOssConfig(**_common(
             head_dim=16, sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1,
             layer_types=["sliding_attention", "full_attention"]))
+    if name == "afmoe":  # .view()s the attention output: needs it contiguous; sliding + full
+        return transformers.AfmoeConfig(**_common(
+            head_dim=16, sliding_window=WINDOW, moe_intermediate_size=32, num_experts=2,
+            num_experts_per_tok=1, num_shared_experts=1, num_dense_layers=1,
+            layer_types=["sliding_attention", "full_attention"]))
     if name == "llama4":  # text only: chunked attention (chunks of 8) on its first layer
         return transformers.Llama4TextConfig(**_common(
             head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
@@ -55,7 +60,8 @@ def make_config(name: str):
     raise KeyError(name)
 
 
-ALL_MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss"]
+ALL_MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss",
+              "afmoe"]
 # Models whose masks transformers builds with overlays (tested on their own).
 OVERLAY_MODELS = ["llama4"]
 SLIDING_MODELS = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]

@@ -222,6 +222,21 @@ def test_mask_compactness_bidirectional(name):
     assert isinstance(m, tb.TiledMask) and not m.causal and m.key_mask.shape == (2, 1, 1, 7)
 
 
+def test_models_that_use_the_mask_as_a_tensor_get_a_clear_error():
+    """Bloom adds the mask to its scores in its own code (no AttentionInterface): the compact
+    TiledMask says what happened and what to use instead."""
+    cfg = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="tiled").eval()
+    with pytest.raises(TypeError, match="used it as a tensor.*Use attn_implementation='sdpa'"):
+        with torch.no_grad():
+            model(torch.randint(3, 128, (1, 5)))
+    mask = tb.TiledMask(causal=True, window=None, diag_offset=0)
+    with pytest.raises(AttributeError, match=r"used it as a tensor \(attribute \.dtype\)"):
+        mask.dtype
+    assert not hasattr(mask, "device") and hasattr(mask, "ndim")  # hasattr probes still work
+    assert copy.deepcopy(mask).causal and mask.dim() == 4
+
+
 def test_output_attentions_is_a_clear_error():
     tiled, _ = pair("llama")
     with pytest.raises(ValueError, match="output_attentions"):
