@@ -311,3 +311,22 @@ def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
     # The stubs are gone afterwards, and no plan made under them is left for real calls.
     assert ct.launch is launch and not op.kernel_available(torch.device("cpu"))
     assert not op._plans
+
+
+def test_model_sweep_cpu(tmp_path, capsys):
+    """Llama runs through tiled and matches; Bloom (mask used as a tensor) is refused with our
+    error; a model type that is not a causal LM is untested, and none of them is a bug."""
+    from eval import model_sweep
+
+    assert model_sweep.main(["--models", "llama", "bloom", "not_a_model", "--out",
+                             str(tmp_path)]) == 0
+    rows = {r["model_type"]: r for r in read_csv(tmp_path / "model_sweep.csv")}
+    assert list(next(iter(rows.values()))) == model_sweep.COLUMNS
+    llama = rows["llama"]
+    assert llama["status"] == "match" and llama["tokens_equal"] == "True", llama
+    assert int(llama["attention_calls"]) > 0 and float(llama["max_logit_diff"]) <= 1e-4
+    assert rows["bloom"]["status"] == "refused", rows["bloom"]
+    assert "used it as a tensor" in rows["bloom"]["message"]
+    assert rows["not_a_model"]["status"] == "untested"
+    env = json.loads((tmp_path / "environment.json").read_text())["model_sweep"]
+    assert env["complete"] is True and env["counts"] == {"match": 1, "refused": 1, "untested": 1}
