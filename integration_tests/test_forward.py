@@ -49,6 +49,31 @@ def test_window_actually_bites():
     assert diff > 1e-2
 
 
+def test_encoder_decoder_matches_eager():
+    """BART: a bidirectional encoder over a padded batch, a causal decoder, and cross-attention
+    (Sq != Skv, not causal, the encoder's padding) in one model; forward and greedy generate."""
+    cfg = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg),
+                                                           attn_implementation="eager").eval()
+    tiled = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg),
+                                                           attn_implementation="tiled").eval()
+    tiled.load_state_dict(eager.state_dict())
+    ids, mask = padded_batch([14, 9], 14, "right", seed=5)
+    decoder_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        lt = tiled(ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        le = eager(ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        torch.testing.assert_close(lt, le, atol=ATOL, rtol=0)
+        gen = [m.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False) for m in (tiled, eager)]
+    assert torch.equal(*gen)
+
+
 def test_attention_sinks_actually_bite():
     """Negative control for gpt-oss's learned sinks (the s_aux kwarg): a backend that drops
     them is far from eager, so test_padded_forward_matches_eager[gpt_oss] checks them."""
