@@ -464,6 +464,15 @@ def _doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 # The attention function
 # ---------------------------------------------------------------------------------------------
 
+# Arguments that change what attention computes, for which the kernel has no mode: (name, what
+# it is, what to use instead). A call with one fails rather than attend without it.
+_UNSUPPORTED_KWARGS = (
+    ("position_bias", "position_bias", "'eager' or 'sdpa'"),
+    ("indices", "sparse attention (indices=...)", "'eager'"),  # the keys each query keeps (DSA)
+    ("block_indices", "sparse attention (block_indices=...)", "'eager'"),
+)
+
+
 def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
@@ -480,13 +489,10 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"attn_implementation='tiled' is an inference kernel and has no attention dropout, "
             f"but the module is in training mode with dropout={dropout}. Call model.eval(), set "
             "the attention dropout to 0, or use attn_implementation='sdpa' for training.")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("attn_implementation='tiled' does not support position_bias; "
-                         "use attn_implementation='eager' or 'sdpa'.")
-    for name in ("indices", "block_indices"):  # sparse attention's chosen keys (DeepSeek DSA)
+    for name, what, instead in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation='tiled' does not support sparse attention "
-                             f"({name}=...); use attn_implementation='eager'.")
+            raise ValueError(f"attn_implementation='tiled' does not support {what}; use "
+                             f"attn_implementation={instead}.")
     check_inputs(query, key, value)
     # gpt-oss and its kin pass learned attention sinks as s_aux: one logit per query head.
     sinks = kwargs.get("s_aux")
