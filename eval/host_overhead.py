@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
-from hf_tiled_attention.launch import (launch_arrays, plan_kernel, plan_launch,  # noqa: E402
+from hf_tiled_attention.launch import (launch_arrays, plan_launch,  # noqa: E402
                                        run_kernel)
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
@@ -60,11 +60,11 @@ def stubbed_launch():
                               (torch.cuda, {"current_device": lambda: None})):
             for name, stub in value.items():
                 stack.enter_context(mock.patch.object(target, name, stub, create=True))
-        op._plans.clear()  # plans made here must not leak out, nor real ones in
+        hta.clear_caches()  # plans made here must not leak out, nor real ones in
         try:
             yield
         finally:
-            op._plans.clear()
+            hta.clear_caches()
 
 
 def per_call_ms(fn, calls: int = CALLS, cuda: bool = True) -> tuple[float, float]:
@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     tiled_paths = {
         "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
         "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
-            q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list()),
+            q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list(),
+            None, []),
         "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
         "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
                                                               scaling=scale),
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     arrays = launch_arrays(plan, q, k, v, None)
-    kernel, stream = plan_kernel(plan), torch.cuda.current_stream()
+    kernel, stream = plan.kernel, torch.cuda.current_stream()
     causal_sdpa = seq_q > 1  # SDPA's is_causal is top-left aligned; one query sees every key
     paths = dict(tiled_paths)
     paths.update({

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
-from hf_tiled_attention.masks import compact_mask, position_visibility  # noqa: E402
+from hf_tiled_attention.masks import compact_mask  # noqa: E402
+from hf_tiled_attention.visibility import visible  # noqa: E402
 from hf_tiled_attention.reference import reference_attention  # noqa: E402
 from eval.common import (DTYPES, ResultsWriter, checked, first_call,  # noqa: E402
                          label_lengths, parse_heads, parse_schedules, results_dir, save_figure,
@@ -99,8 +100,9 @@ def dense_mask(seq_q: int, seq_kv: int, causal: bool, window: int,
     """The (1 or B, 1, Sq, Skv) bool mask (True = visible) that the op's semantics define."""
     pos = torch.arange(seq_q, device=device)[:, None] + (seq_kv - seq_q)
     keys = torch.arange(seq_kv, device=device)[None, :]
-    visible = position_visibility(pos, keys, causal, window or None)[None, None]
-    return visible if key_mask is None else visible & key_mask
+    seen = visible(pos, keys, seq_kv, window or 0, causal, bool(window))
+    seen = seen.expand(seq_q, seq_kv)[None, None]
+    return seen if key_mask is None else seen & key_mask
 
 
 def make_call(backend: str, causal: bool, schedule: hta.Schedule | None, window: int = 0,

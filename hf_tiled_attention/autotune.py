@@ -3,8 +3,8 @@
 Enable with ``HF_TILED_ATTENTION_AUTOTUNE=1``. The first kernel call for a key
 (GPU arch, dtype, head-dim tile, causal, key-length bucket, short query) runs every candidate in
 :data:`CANDIDATES` (each compiles once, so expect seconds per candidate), keeps the fastest and
-writes it to a JSON cache (``HF_TILED_ATTENTION_CACHE_DIR``, default
-``~/.cache/hf_tiled_attention``), so later processes skip the search. The tuned schedule replaces
+writes it to a JSON cache in the package's cache folder (memo.cache_dir:
+``HF_TILED_ATTENTION_CACHE_DIR``, default ``~/.cache/hf_tiled_attention``), so later processes skip the search. The tuned schedule replaces
 the default table's entry; ``use_schedule`` and ``schedule=`` still apply on top of it. Calls made
 while a CUDA graph is being captured never tune: they use a cached winner or the default table.
 """
@@ -22,23 +22,32 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .schedule import Schedule
+from .memo import CACHE_DIR_ENV, cache_dir
+from .schedule import TABLE, Schedule
 from .timing import back_to_back_ms, median_ms
 
 ENABLE_ENV = "HF_TILED_ATTENTION_AUTOTUNE"
-CACHE_DIR_ENV = "HF_TILED_ATTENTION_CACHE_DIR"
 CACHE_FILE = "autotune.json"
 
-# The schedules the H200 sweeps found competitive (eval/results/nvidia-h200/schedule-sweep-1
-# and -2): one warpgroup per 64-row tile at occupancy 1-2, or two warpgroups per 128-row tile.
-CANDIDATES: tuple[Schedule, ...] = (
-    Schedule(tile_m=64, tile_n=128, occupancy=2, num_worker_warps=4),
-    Schedule(tile_m=128, tile_n=128, occupancy=1, num_worker_warps=8),
-    Schedule(tile_m=128, tile_n=64, occupancy=1, num_worker_warps=8),
-    Schedule(tile_m=128, tile_n=64, occupancy=2, num_worker_warps=4),
-    Schedule(tile_m=64, tile_n=64, occupancy=2, num_worker_warps=4),
-    Schedule(tile_m=64, tile_n=128, occupancy=1, num_worker_warps=4),
-)
+
+
+def _candidates() -> tuple[Schedule, ...]:
+    """The default table's tile shapes (schedule.TABLE), each also with half the key tile and
+    with the other occupancy of a one-warpgroup tile: the neighbourhood the H200 sweeps found
+    competitive (eval/results/nvidia-h200/schedule-sweep-1 and -2)."""
+    found: dict = {}
+    for row in TABLE:
+        s = row.schedule
+        shape = Schedule(tile_m=s.tile_m, tile_n=s.tile_n, occupancy=s.occupancy,
+                         num_worker_warps=s.num_worker_warps)
+        found[shape] = None
+        found[dataclasses.replace(shape, tile_n=shape.tile_n // 2)] = None
+        if shape.num_worker_warps == 4:
+            found[dataclasses.replace(shape, occupancy=3 - shape.occupancy)] = None
+    return tuple(found)
+
+
+CANDIDATES: tuple[Schedule, ...] = _candidates()
 
 
 def enabled() -> bool:
@@ -69,10 +78,6 @@ class TuneKey:
 def seq_bucket(seq_kv: int) -> int:
     """Key lengths share a tuning result within a power-of-two bucket (128 at the least)."""
     return 1 << max(7, math.ceil(math.log2(max(seq_kv, 1))))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV, "") or Path.home() / ".cache" / "hf_tiled_attention")
 
 
 class ScheduleCache:

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .masks import ADDITIVE, MOD, CompactMask, ModMask
+from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionConstants)
+from .masks import CompactMask, ModMask
+from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
-from .schedule import DECODE_QUERY_ROWS, Schedule, head_dim_parts
+from .schedule import DECODE_QUERY_ROWS, PACKED_TILE_ROWS, Schedule, head_dim_parts
+from .visibility import key_span
 
-LOG2E = 1.0 / math.log(2.0)
-# A packed tile has at least the warpgroup MMA's 64 rows (fewer real rows are zero padding: decode
-# is bound by reading K/V, not by the MMA) and at most two warpgroups' 128.
-PACKED_MIN_ROWS, PACKED_MAX_ROWS = 64, 128
 # A packed tile holds at most this many query heads of a group (MQA's 32 or more heads take
 # several tiles, each reading the K/V tiles).
 PACKED_MAX_GROUP = 16
@@ -34,33 +34,6 @@ MAX_SPLITS = 64
 # The merge reads at most this many fp32 partial outputs per load.
 MERGE_TILE_ELEMENTS = 8192
 MERGE_CHUNK_D = 64
-
-
-class KernelConstants(NamedTuple):
-    """The attention kernel's Constant parameters, by name, in the kernel's order (a CPU test
-    checks the names against kernel.attention_forward)."""
-    GROUP: int
-    G_TILE: int
-    TILE_M: int
-    TILE_N: int
-    TILE_D: int
-    TAIL_D: int
-    CAUSAL: bool
-    WINDOWED: bool
-    SOFTCAP: bool
-    APPROX_TANH: bool
-    SCORE_MOD: bool
-    MASK_KIND: int
-    MASK_BATCHED: bool
-    MASK_HEADED: bool
-    MASK_ROWS: bool
-    MASK_TABLE: bool
-    SCORE_UNIT: float
-    FOLD_SCALE: bool
-    WRITE_LSE: bool
-    HEAVY_FIRST: bool
-    K_LATENCY: int
-    V_LATENCY: int
 
 
 class MergeConstants(NamedTuple):
@@ -78,7 +51,7 @@ class KernelVariant:
     """Everything about a launch that does not depend on sequence lengths or batch size: the
     kernel's Constant parameters, compiler hints and the score scalars. Cached, so a call whose
     shape repeats (every layer, every decode step) skips the planning work."""
-    constants: KernelConstants
+    constants: AttentionConstants
     occupancy: int
     num_ctas: int
     num_worker_warps: Optional[int]            # None: the compiler chooses
@@ -87,6 +60,12 @@ class KernelVariant:
     score_scale: float
     softcap_out: float
     mods: Optional[CompiledMods]               # the call's score_mod / mask_mod, translated
+
+    @functools.cached_property
+    def constant_values(self) -> tuple:
+        """The constants as the kernel's C parameter takes them: cuTile's launch accepts a
+        plain tuple only (not a NamedTuple)."""
+        return tuple(self.constants)
 
     @property
     def g_tile(self) -> int:
@@ -119,6 +98,18 @@ class LaunchPlan:
         return (self.variant.score_scale, self.variant.softcap_out, self.diag_offset,
                 self.window, self.kv_splits)
 
+    # The kernel objects, looked up once per plan (plans are memoised: per-call host time).
+    @functools.cached_property
+    def kernel(self):
+        v = self.variant
+        return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps,
+                                 None if v.mods is None else v.mods.module)
+
+    @functools.cached_property
+    def merge_kernel(self):
+        from .merge import merge_splits_kernel
+        return merge_splits_kernel
+
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask | ModMask],
                 *, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
@@ -136,15 +127,19 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     group = heads_q // heads_kv
     # A mod sees one query head per tile row block (its h is the grid head): no packing.
     g_tile = 1 if mods is not None else packed_group_tile(schedule, seq_q, group, mask)
-    if g_tile > 1:
-        tile_m = min(max(PACKED_MIN_ROWS, g_tile * _next_power_of_two(seq_q)), PACKED_MAX_ROWS)
+    if g_tile > 1:  # the smallest packed tile that holds the group's heads x positions
+        tile_m = min(max(PACKED_TILE_ROWS[0], g_tile * _next_power_of_two(seq_q)),
+                     schedule.pack_tile_m)
     else:
         tile_m = schedule.tile_m
     rows = tile_m // g_tile
     m_tiles = math.ceil(seq_q / rows)
     pack = min(group, g_tile)  # query heads per tile row group
     heads_grid = heads_q // pack
-    visible = seq_kv if window is None else min(seq_kv, (1 if causal else 2) * window + rows)
+    # Keys the first query tile sees (decode has one query tile): what its splits share.
+    lo, hi, _, _ = key_span(diag_offset, diag_offset + min(rows, seq_q) - 1, seq_kv,
+                            window or 0, causal, window is not None)
+    visible = max(hi - lo, 0)
     splits = 1
     if seq_q <= DECODE_QUERY_ROWS:  # key splits serve short queries only (Schedule.kv_splits)
         splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
@@ -152,7 +147,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
                             compiler_hints(schedule, g_tile, tile_m)[1])
     mask_layout = None
     if isinstance(mask, ModMask):
-        mask_layout = (MOD, None, mask.batched, mask.headed, True, True)
+        mask_layout = (MASK_MOD, None, mask.batched, mask.headed, True, True)
     elif mask is not None:
         mask_layout = (mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
                        mask.per_row, bool(mask.headed or mask.per_row or key_mask_table))
@@ -204,25 +199,25 @@ def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
     return max(1, min(slots // blocks, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=4096)
+@memoize(4096)
 def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: Optional[tuple],
                    causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                    schedule: Schedule, write_lse: bool, g_tile: int,
                    tile_m: int, mods: Optional[CompiledMods] = None) -> KernelVariant:
     """The variant for one combination of (hashable) call properties; memoised."""
     mask_kind, mask_dtype, batched, headed, per_row, table = mask_layout or (
-        0, None, False, False, False, False)
-    has_score_mod = mods is not None and mods.score_mod is not None
+        NO_MASK, None, False, False, False, False)
+    has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
     # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
     # A score_mod sees natural-unit scores, as in FlexAttention.
-    score_unit = 1.0 if mask_kind == ADDITIVE or has_score_mod else LOG2E
+    score_unit = 1.0 if mask_kind == ADDITIVE_MASK or has_score_mod else LOG2E
     if softcap is not None:
         score_scale, softcap_out = scale / softcap, softcap * score_unit
     else:
         score_scale, softcap_out = scale * score_unit, 0.0
     num_worker_warps, occupancy = compiler_hints(schedule, g_tile, tile_m)
     tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
-    constants = KernelConstants(
+    constants = AttentionConstants(
         # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
         TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
@@ -240,14 +235,16 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
 
 
 def compiler_hints(schedule: Schedule, g_tile: int, tile_m: int) -> tuple[Optional[int], int]:
-    """(num_worker_warps, occupancy): the schedule's, except for packed tiles, which get one
-    warpgroup per 64 rows (a 128-row tile's two warpgroups take an SM's registers)."""
+    """(num_worker_warps, occupancy): the schedule's, or for a packed tile one warpgroup per 64
+    rows, at ``pack_occupancy`` (a 128-row tile's two warpgroups take an SM's registers)."""
     if g_tile > 1:
-        return (4, schedule.occupancy) if tile_m <= PACKED_MIN_ROWS else (8, 1)
+        if tile_m <= PACKED_TILE_ROWS[0]:
+            return 4, schedule.pack_occupancy
+        return 8, 1
     return schedule.num_worker_warps, schedule.occupancy
 
 
-@functools.lru_cache(maxsize=256)
+@memoize(256)
 def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                     write_lse: bool) -> MergeConstants:
     """The merge's tiling: ``rows`` query positions x ``g_tile`` heads per block, CHUNK_D
@@ -264,59 +261,87 @@ def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
     return torch.uint8 if mask.dtype == torch.bool else mask.dtype
 
 
-@functools.lru_cache(maxsize=None)
+@memoize(256)
 def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int],
                       mods_module=None):
     """The kernel object for one set of compiler hints (each keeps its own JIT cache), and with
     a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod."""
-    from .kernel import attention_forward
-    kernel = attention_forward if mods_module is None else _kernel_with_mods(mods_module)
+    kernel = _attention_kernel(mods_module)
     hints = dict(occupancy=occupancy, num_ctas=num_ctas)
     if num_worker_warps is not None:
         hints["num_worker_warps"] = num_worker_warps
     return kernel.replace_hints(**hints)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel_with_mods(mods_module):
-    """The attention kernel with kernel.py's ``_score_mod`` / ``_mask_mod`` replaced by the
-    generated ones: copies of the kernel function and of the helpers that reach the mods,
-    sharing new globals (cuTile resolves a callee through its caller's globals)."""
-    import types
+# The kernel's stand-ins for the mods (kernel.py), which a copy of the kernel replaces.
+_MOD_NAMES = ("_score_mod", "_mask_mod")
 
+
+@memoize(256)
+def _attention_kernel(mods_module=None):
+    """The attention kernel, or with a mods module the kernel made from
+    :func:`kernel_copy_with_mods`."""
     import cuda.tile as ct
 
     from . import kernel as source
 
+    if mods_module is None:
+        return source.attention_forward_kernel
+    return ct.kernel(kernel_copy_with_mods(mods_module))
+
+
+def kernel_copy_with_mods(mods_module) -> types.FunctionType:
+    """A copy of the kernel function whose ``_score_mod`` / ``_mask_mod`` are the generated
+    ones: it and every kernel.py function that reaches a mod (found by walking the calls, so a
+    new helper is covered) are copied with new globals (cuTile resolves a callee through its
+    caller's globals)."""
+    from . import kernel as source
+
     scope = dict(vars(source))
-    for name in ("score_mod", "mask_mod"):
-        if hasattr(mods_module, name):
-            scope["_" + name] = getattr(mods_module, name)
-
-    def copy(fn):
-        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
-                                   fn.__closure__)
-        clone.__qualname__, clone.__module__ = fn.__qualname__, fn.__module__
-        # cuTile reads which parameters are constants from the annotations.
-        clone.__annotations__ = dict(fn.__annotations__)
-        clone.__kwdefaults__ = fn.__kwdefaults__
-        return clone
-
-    for helper in ("_query_tile", "_attend_tile"):
-        scope[helper] = copy(getattr(source, helper))
-    return ct.kernel(copy(source.attention_forward._pyfunc))
+    for name in _MOD_NAMES:
+        if hasattr(mods_module, name[1:]):
+            scope[name] = getattr(mods_module, name[1:])
+    for fn in mod_callers(source.attention_forward):
+        scope[fn.__name__] = _copy_function(fn, scope)
+    return scope[source.attention_forward.__name__]
 
 
-def plan_kernel(plan: LaunchPlan):
-    v = plan.variant
-    return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps,
-                             None if v.mods is None else v.mods.module)
+def mod_callers(entry: types.FunctionType) -> list:
+    """The functions reachable from ``entry`` through its globals that call a mod stand-in,
+    directly or through others (``entry`` first when it does). They must all live in
+    ``entry``'s module: a copy with new mods replaces them there."""
+    reached: dict = {}
+
+    def visit(fn) -> bool:
+        if fn in reached:
+            return reached[fn]
+        reached[fn] = False  # (recursion guard)
+        calls_mod = False
+        for name in fn.__code__.co_names:
+            if name in _MOD_NAMES:
+                calls_mod = True
+            callee = fn.__globals__.get(name)
+            if isinstance(callee, types.FunctionType) and visit(callee):
+                calls_mod = True
+        reached[fn] = calls_mod
+        return calls_mod
+
+    visit(entry)
+    callers = [fn for fn, calls in reached.items() if calls]
+    stray = [fn.__qualname__ for fn in callers if fn.__module__ != entry.__module__]
+    if stray:
+        raise RuntimeError(f"{stray} call a mod but live outside {entry.__module__}: kernel "
+                           "copies with user mods would still run the stand-ins there")
+    return callers
 
 
-@functools.lru_cache(maxsize=None)
-def merge_kernel():
-    from .merge import merge_splits
-    return merge_splits
+def _copy_function(fn: types.FunctionType, scope: dict) -> types.FunctionType:
+    clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__qualname__, clone.__module__ = fn.__qualname__, fn.__module__
+    # cuTile reads which parameters are constants from the annotations.
+    clone.__annotations__ = dict(fn.__annotations__)
+    clone.__kwdefaults__ = fn.__kwdefaults__
+    return clone
 
 
 class Placeholders(NamedTuple):
@@ -327,35 +352,32 @@ class Placeholders(NamedTuple):
     ranges: torch.Tensor
 
 
-def _placeholders(device: torch.device, lse_ndim: int, capturing: bool) -> Placeholders:
-    """Never read, so left uninitialised. Reused across calls (allocations are a large part of
-    a short call's host time), except while a CUDA graph is being captured: one first made then
-    would live in the graph's private memory pool."""
-    if capturing:
-        return _new_placeholders(device, lse_ndim)
-    return _reused_placeholders(device, lse_ndim)
-
-
-def _new_placeholders(device: torch.device, lse_ndim: int) -> Placeholders:
-    return Placeholders(*(torch.empty((1,) * ndim, dtype=dtype, device=device) for dtype, ndim in
+def _placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholders:
+    """Never read, so left uninitialised; reused across calls (allocations are a large part of
+    a short call's host time) when the call may keep device memory (memo.py)."""
+    if keep:
+        kept = _kept_placeholders.get((device, lse_ndim))
+        if kept is not None:
+            return kept
+    made = Placeholders(*(torch.empty((1,) * ndim, dtype=dtype, device=device) for dtype, ndim in
                           ((torch.float32, lse_ndim), (torch.uint8, 4), (torch.int8, 4),
                            (torch.int32, 4))))
+    return _kept_placeholders.put((device, lse_ndim), made) if keep else made
 
 
-_reused_placeholders = functools.lru_cache(maxsize=None)(_new_placeholders)
-
-
+_kept_placeholders = Memo("launch placeholders", 16)
 # Key-split workspaces kept for reuse (see _split_buffers), and the most bytes they may hold.
-_split_workspaces: dict = {}
+_split_workspaces = Memo("key-split workspaces", 256)
 _MAX_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
 def _split_buffers(views: "BufferViews", device: torch.device,
                    stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial outputs, partial LSEs) of a launch that splits its keys: views into one fp32
-    workspace. With a ``stream`` (raw handle) the workspace of a (views, device, stream) is kept
-    and reused (a decode call then allocates and views three tensors fewer): launches on one
-    stream run in order, so a call's merge has read it before the next call's kernel writes it."""
+    workspace. With a ``stream`` (raw handle; given when the call may keep device memory) the
+    workspace of a (views, device, stream) is kept and reused (a decode call then allocates and
+    views three tensors fewer): launches on one stream run in order, so a call's merge has read
+    it before the next call's kernel writes it."""
     key = None
     if stream is not None:
         key = (views, device, stream)
@@ -366,10 +388,10 @@ def _split_buffers(views: "BufferViews", device: torch.device,
     buffers = (workspace.as_strided(*views.part_out, views.part_offset),
                workspace.as_strided(*views.part_lse))
     if key is not None:
-        kept = sum(k[0].workspace for k in _split_workspaces) * 4
+        kept = sum(out.untyped_storage().nbytes() for out, _ in _split_workspaces.values())
         if kept + views.workspace * 4 > _MAX_KEPT_WORKSPACE_BYTES:
             _split_workspaces.clear()  # (a workspace still in use stays alive with its call)
-        _split_workspaces[key] = buffers
+        _split_workspaces.put(key, buffers)
     return buffers
 
 
@@ -395,7 +417,7 @@ class BufferViews(NamedTuple):
     workspace: int
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize(1024)
 def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
                  g_tile: int, splits: int) -> BufferViews:
     out_rows = lse_rows = part_lse = part_out = None
@@ -429,11 +451,12 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                   keep_for_stream: Optional[int] = None) -> LaunchArrays:
     """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
     is how :func:`export_signatures` sees exactly the arrays a real launch passes.
-    ``keep_for_stream``: the stream (raw handle) whose next calls reuse the key splits'
-    workspace (eager calls only: see :func:`run_kernel`); None: a fresh one."""
+    ``keep_for_stream``: set (the stream's raw handle) when the call may keep device memory
+    (memo.may_keep_device_memory): its placeholders, block tables and key-split workspace are
+    then kept for the next calls on that stream; None: everything is made for this call."""
     variant, views = plan.variant, plan.views
     device = query.device
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    keep = keep_for_stream is not None
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = (torch.empty(query.shape[:3], dtype=torch.float32, device=device)
            if plan.return_lse else None)
@@ -447,13 +470,13 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         out_rows = out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
-    unused = _placeholders(device, 4 if variant.g_tile > 1 else 3, capturing)
+    unused = _placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
     if lse_rows is None:
         lse_rows = unused.lse
     merge = None
     out_arg, lse_arg = out_rows, lse_rows
     if views.part_out is not None:  # fp32 partial results per key slice, combined by the merge
-        out_arg, lse_arg = _split_buffers(views, device, None if capturing else keep_for_stream)
+        out_arg, lse_arg = _split_buffers(views, device, keep_for_stream)
         merge = (out_arg, lse_arg, out_rows, lse_rows)
     mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
@@ -461,7 +484,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         # the reinterpretation never reaches a traced graph.
         mask_arg = mask.tensor.view(variant.mask_dtype)
     if mask is not None and variant.constants.MASK_TABLE:
-        states, ranges = mask.block_table(variant.tile_m, variant.tile_n)
+        states, ranges = mask.block_table(variant.tile_m, variant.tile_n, keep)
     captures = () if variant.mods is None else variant.mods.kernel_captures()
     return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states, ranges,
                          captures), merge, out, lse)
@@ -472,15 +495,16 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches the attention kernel (and the merge when the keys are split) on the current
     stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
-    for the registered op's calls: torch.compile's CUDA graphs warm up and record them with
-    allocations routed to a graph's memory pool, which must not hold a workspace kept for
-    later calls."""
+    for the registered op's calls, which keep no device memory (memo.may_keep_device_memory:
+    torch.compile's CUDA graphs warm up and record them with allocations routed to a graph's
+    memory pool)."""
     import cuda.tile as ct
 
     device = query.device
     # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    arrays = launch_arrays(plan, query, key, value, mask, stream if eager else None)
+    keep = may_keep_device_memory(eager, device)
+    arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
 
     if device.index == torch.cuda.current_device():
         _launch(ct, stream, plan, arrays)
@@ -491,10 +515,10 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
 
 
 def _launch(ct, stream: int, plan: LaunchPlan, arrays: LaunchArrays) -> None:
-    _naming_the_mods(plan, ct.launch, stream, plan.grid, plan_kernel(plan),  # compiles once
-                     arrays.attention + plan.scalars + plan.variant.constants)
+    _naming_the_mods(plan, ct.launch, stream, plan.grid, plan.kernel,  # compiles once
+                     arrays.attention + plan.scalars + (plan.variant.constant_values,))
     if arrays.merge is not None:
-        ct.launch(stream, plan.merge_grid, merge_kernel(),
+        ct.launch(stream, plan.merge_grid, plan.merge_kernel,
                   arrays.merge + (plan.kv_splits,) + plan.merge)
 
 
@@ -549,7 +573,7 @@ def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
     attention = KernelSignature([_array_constraint(a) for a in plain]
                                 + [TupleConstraint([_array_constraint(a) for a in captures])]
-                                + scalars + list(plan.variant.constants),
+                                + scalars + [plan.variant.constant_values],
                                 CallingConvention.cutile_python_v2())
     merge = None
     if arrays.merge is not None:
@@ -573,9 +597,9 @@ def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     if kernel == "merge":
         if merge is None:
             raise ValueError("this plan does not split its keys: it launches no merge")
-        compiled, signature = merge_kernel(), merge
+        compiled, signature = plan.merge_kernel, merge
     elif kernel == "attention":
-        compiled, signature = plan_kernel(plan), attention
+        compiled, signature = plan.kernel, attention
     else:
         raise ValueError(f"kernel must be 'attention' or 'merge', got {kernel!r}")
     buffer = io.BytesIO()

@@ -12,46 +12,37 @@ O(Sq x Skv).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, MASK_MOD, TILE_EMPTY, TILE_FULL,
+                            TILE_PARTIAL)
+from .memo import Memo, register as memo_register
 from .mods import CompiledMods, index_grid
 
-# Mask kinds, as kernel.py names them.
-BOOL = 1
-ADDITIVE = 2
-MOD = 3
-TILE_EMPTY, TILE_PARTIAL, TILE_FULL = 0, 1, 2
 # A mask_mod's table is evaluated for this many query/key elements at a time.
 MOD_TABLE_CHUNK = 1 << 22
 
 
 class BlockTable(NamedTuple):
     """``states`` (Bm, Hm, n_m, n_n) int8 TILE_EMPTY / TILE_PARTIAL / TILE_FULL; ``ranges``
-    (Bm, Hm, n_m, 6) int32, per query tile: its first non-empty key tile; the longest gap of
-    empty tiles [start, end) after it and before the full run; the longest run of full tiles
-    [start, end); one past its last non-empty tile. An empty gap or run has start == end (a run
-    then sits at the end)."""
+    (Bm, Hm, n_m, 6) int32, per query tile (kernel_params.RANGE_* slots): its first non-empty
+    key tile; the longest gap of empty tiles [start, end) after it and before the full run; the
+    longest run of full tiles [start, end); one past its last non-empty tile. An empty gap or
+    run has start == end (a run then sits at the end). FlexAttention's BlockMask keeps the same
+    in both directions; :meth:`transposed` gives the other one (per key tile, its query
+    tiles), which a backward pass over key tiles walks."""
     states: torch.Tensor
     ranges: torch.Tensor
 
-
-def position_visibility(pos: torch.Tensor, keys: torch.Tensor, causal: bool,
-                        window: Optional[int]) -> torch.Tensor:
-    """The op's causal / sliding-window rule (kernel.py applies the same in cuTile): whether
-    key ``keys`` is visible from a query at key position ``pos`` (broadcasting tensors)."""
-    visible = torch.ones(torch.broadcast_shapes(pos.shape, keys.shape), dtype=torch.bool,
-                         device=keys.device)
-    if causal:
-        visible = visible & (keys <= pos)
-    if window is not None:
-        visible = visible & (keys > pos - window)
-        if not causal:
-            visible = visible & (keys < pos + window)
-    return visible
+    def transposed(self) -> "BlockTable":
+        """The table per key tile: ``states`` (Bm, Hm, n_n, n_m) and each key tile's ranges of
+        query tiles."""
+        states = self.states.transpose(-1, -2).contiguous()
+        return BlockTable(states, tile_ranges(states))
 
 
 def tile_ranges(states: torch.Tensor) -> torch.Tensor:
@@ -86,16 +77,16 @@ class CompactMask:
     """``tensor`` has shape ``(B or 1, Hq or 1, Sq or 1, Skv)``, bool or floating."""
 
     tensor: torch.Tensor
-    kind: int  # BOOL or ADDITIVE
+    kind: int  # BOOL_MASK or ADDITIVE_MASK
     # Tile-state tables made for this mask, by (tile_m, tile_n): a CompactMask that every layer
     # of a forward shares (the transformers adapter keeps one) builds each table once.
     state_tables: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def block_table(self, tile_m: int, tile_n: int) -> BlockTable:
-        """The :class:`BlockTable` for these tiles, memoised (except while a CUDA graph is being
-        captured: a table made then lives in the graph's private memory pool)."""
+    def block_table(self, tile_m: int, tile_n: int, keep: bool = True) -> BlockTable:
+        """The :class:`BlockTable` for these tiles, kept for the next call when ``keep`` (the
+        call may keep device memory: memo.may_keep_device_memory)."""
         return _memo_table(self.state_tables, (tile_m, tile_n),
-                           lambda: _with_ranges(tile_states(self, tile_m, tile_n)))
+                           lambda: _with_ranges(tile_states(self, tile_m, tile_n)), keep)
 
     @property
     def layout(self) -> tuple:
@@ -121,9 +112,9 @@ def compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype == torch.bool:
-        kind = BOOL
+        kind = BOOL_MASK
     elif attn_mask.dtype in _FLOAT_MASK_DTYPES:
-        kind = ADDITIVE
+        kind = ADDITIVE_MASK
     else:
         raise TypeError("attn_mask must be bool (True = may attend) or an additive float mask "
                         f"(float16, bfloat16, float32), got {attn_mask.dtype}")
@@ -152,6 +143,7 @@ def compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
 # of a model) reuses its block tables. The entry is made from a detached alias, so it does not
 # keep its key alive.
 _compact_masks = WeakTensorKeyDictionary()
+memo_register("compact masks", _compact_masks)
 
 
 def reused_compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
@@ -175,7 +167,7 @@ def tile_states(mask: CompactMask, tile_m: int, tile_n: int) -> torch.Tensor:
     zero bias, so the kernel need not load that mask tile at all.
     """
     t = mask.tensor
-    if mask.kind == BOOL:
+    if mask.kind == BOOL_MASK:
         visible = t != 0
         zero_bias = visible
     else:
@@ -204,11 +196,11 @@ def _with_ranges(states: torch.Tensor) -> BlockTable:
     return BlockTable(states, tile_ranges(states))
 
 
-def _memo_table(tables: dict, key, build) -> BlockTable:
+def _memo_table(tables: dict, key, build, keep: bool) -> BlockTable:
     table = tables.get(key)
     if table is None:
         table = build()
-        if not (table.states.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if keep:
             tables[key] = table
     return table
 
@@ -227,7 +219,7 @@ class ModMask:
     batched: bool = False
     headed: bool = False
     state_tables: dict = field(default_factory=dict, repr=False)
-    kind: int = MOD
+    kind: int = MASK_MOD
     per_row: bool = True
 
     def __post_init__(self):
@@ -249,11 +241,11 @@ class ModMask:
 
     @property
     def layout(self) -> tuple:
-        return (MOD, self.mods.key, self.batched, self.headed, True)
+        return (MASK_MOD, self.mods.key, self.batched, self.headed, True)
 
-    def block_table(self, tile_m: int, tile_n: int) -> BlockTable:
+    def block_table(self, tile_m: int, tile_n: int, keep: bool = True) -> BlockTable:
         return _memo_table(self.state_tables, (tile_m, tile_n),
-                           lambda: self._table(tile_m, tile_n))
+                           lambda: self._table(tile_m, tile_n), keep)
 
     def _table(self, tile_m: int, tile_n: int) -> BlockTable:
         n_m, n_n = -(-self.seq_q // tile_m), -(-self.seq_kv // tile_n)
@@ -275,18 +267,16 @@ class ModMask:
 
 
 # ModMasks by (mods, captured tensors' identity and version, shape, device): the layers of a
-# forward (and repeated forwards) share one and its tables.
-_mod_masks: dict = {}
-_MAX_MOD_MASKS = 64
+# forward (and repeated forwards) share one and its tables. Each holds its mods (and so its
+# function and captured tensors), which keeps the ids in its key unique.
+_mod_masks = Memo("mask_mod block tables", 64)
 
 
 def mod_mask(mods: CompiledMods, batch: int, heads: int, seq_q: int, seq_kv: int,
-             device: torch.device) -> ModMask:
+             device: torch.device, keep: bool = True) -> ModMask:
+    """The :class:`ModMask` of these mods and shape; shared while ``keep`` (the call may keep
+    device memory: memo.may_keep_device_memory)."""
     key = (mods.key, tuple((id(t), t._version) for t in mods.captures), id(mods.mask_mod),
            batch, heads, seq_q, seq_kv, device)
-    found = _mod_masks.get(key)
-    if found is None:
-        if len(_mod_masks) >= _MAX_MOD_MASKS:
-            _mod_masks.clear()
-        found = _mod_masks[key] = ModMask(mods, batch, heads, seq_q, seq_kv, device)
-    return found
+    return _mod_masks.get_or_make(key, lambda: ModMask(mods, batch, heads, seq_q, seq_kv,
+                                                       device), keep)

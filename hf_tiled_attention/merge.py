@@ -25,7 +25,6 @@ ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
 
-@ct.kernel
 def merge_splits(
     PartOut, PartLse, Out, Lse,
     splits: int,
@@ -69,6 +68,9 @@ def merge_splits(
         shift = ct.where(top == -math.inf, 0.0, top).reshape((TILE_M, 1))
         lse = ct.where(empty, -math.inf, shift + ct.log(ct.where(empty, 1.0, total)))
         store_lse(Lse, batch, head, m_tile, lse, ROWS, G_TILE)
+
+
+merge_splits_kernel = ct.kernel(merge_splits)
 
 
 def _load_slices(Part, slab, part_row, m_tile, chunk, ROWS, G_TILE, SPLIT_TILE, CHUNK_D,

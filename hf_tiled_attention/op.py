@@ -8,7 +8,6 @@ launches the cuTile kernel on a capable GPU and runs the reference algorithm els
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import warnings
@@ -18,9 +17,11 @@ import torch
 
 from . import autotune
 from .checks import check_inputs, check_options, check_sinks
+from .kernel_params import NO_MASK
 from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, mod_mask, reused_compact_mask
-from .mods import CompiledMods, compile_mods
+from .memo import Memo, may_keep_device_memory, memoize
+from .mods import CompiledMods, compile_mods, mods_from_key, traced_mods
 from .reference import reference_attention
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
                        resolve_schedule)
@@ -82,7 +83,8 @@ def tiled_attention(
             (0 .. Sq-1) and ``kv_idx`` the key (0 .. Skv-1), as in FlexAttention. Both mods
             run in the kernel (see :mod:`hf_tiled_attention.mods` for what they may contain)
             and in the reference path; ready-made ones are in
-            :mod:`hf_tiled_attention.variants`. Eager calls only (not under torch.compile).
+            :mod:`hf_tiled_attention.variants`. Under torch.compile they are translated once,
+            at trace time: make them outside the compiled function.
         sinks: ``(Hq,)`` attention-sink logits (gpt-oss's learned sinks): each row's softmax
             gets one more term, ``exp(sinks[h])``, for a sink that is always visible, is not
             scaled, capped or modded, and whose value is zero. The output shrinks by
@@ -116,10 +118,12 @@ def _checked_mods(score_mod, mask_mod, attn_mask, softcap, query) -> CompiledMod
     if score_mod is not None and softcap is not None:
         raise ValueError("pass either softcap or score_mod, not both (variants.softcap(cap) is "
                          "softcap as a score_mod, to compose with others)")
+    fast_math = query.dtype != torch.float32
     if torch.compiler.is_compiling():
-        raise NotImplementedError("score_mod / mask_mod run in eager calls only; call "
-                                  "tiled_attention outside torch.compile")
-    mods = compile_mods(score_mod, mask_mod, fast_math=query.dtype != torch.float32)
+        key, captures = traced_mods(score_mod, mask_mod, fast_math=fast_math)
+        mods = mods_from_key(key, captures)
+    else:
+        mods = compile_mods(score_mod, mask_mod, fast_math=fast_math)
     for tensor in mods.captures:
         if tensor.device != query.device:
             raise ValueError(f"{mods.names} reads a captured tensor of shape {tuple(tensor.shape)} "
@@ -154,9 +158,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out, (lse if return_lse else None)
     batch, heads_q, seq_q, head_dim = query.shape
     mask = attn_mask
-    if mods is not None and mods.mask_mod is not None:
-        mask = mod_mask(mods, batch, heads_q, seq_q, key.shape[2], query.device)
-    elif attn_mask is not None and not isinstance(attn_mask, CompactMask):
+    if attn_mask is not None and not isinstance(attn_mask, CompactMask):
         mask = reused_compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
     if isinstance(mask, CompactMask) and mask.tensor.device != query.device:
         raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
@@ -168,19 +170,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if mods is None and (torch.compiler.is_compiling() or needs_grad):
-        mask_tensor = None if mask is None else mask.tensor
-        mask_kind = 0 if mask is None else mask.kind
+    if torch.compiler.is_compiling() or needs_grad:
         # Traced graphs need the registered op (fake impl); so does autograd (its backward
-        # raises the forward-only error).
+        # raises the forward-only error). Mods cross as their generated code's key and their
+        # captured tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
-            query, key, value, mask_tensor, mask_kind, causal, float(scale), window or 0,
-            float(softcap or 0.0), int(diag_offset), schedule.as_list())
+            query, key, value, None if mask is None else mask.tensor,
+            NO_MASK if mask is None else mask.kind, causal, float(scale), window or 0,
+            float(softcap or 0.0), int(diag_offset), schedule.as_list(),
+            None if mods is None else mods.key, [] if mods is None else list(mods.captures))
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
-    if mods is not None and needs_grad:
-        raise NotImplementedError(FORWARD_ONLY)  # mods take no custom op, hence no backward
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
                     mods)
@@ -201,14 +202,16 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor,
 @torch.library.custom_op("hf_tiled_attention::attention", mutates_args=())
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[torch.Tensor], mask_kind: int, causal: bool, scale: float,
-                  window: int, softcap: float, diag_offset: int,
-                  schedule: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                  window: int, softcap: float, diag_offset: int, schedule: list[int],
+                  mods_key: Optional[str], captures: list[torch.Tensor],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     compact = None if mask is None else CompactMask(mask, mask_kind)
+    mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     # Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which
     # every layer of every step would rebuild; the kernel applies it on each visited tile.
     return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
                     diag_offset, Schedule.from_list(schedule), True, key_mask_table=False,
-                    eager=False)
+                    mods=mods, eager=False)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -221,6 +224,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     The LSE is None when not ``return_lse`` (the kernel path skips it). ``eager``: False when
     called as the registered op (see :func:`launch.run_kernel`)."""
     device = query.device
+    if mods is not None and mods.mask_mod is not None:
+        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                        device, may_keep_device_memory(eager, device))
     if query.numel() == 0 or not kernel_available(device):
         if query.numel():
             _warn_reference_once(device)
@@ -236,16 +242,13 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 autotune.state(), mods)
     plan = _plans.get(memo_key)
     if plan is None:
-        plan = _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset,
-                     explicit, return_lse, key_mask_table, mods)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[memo_key] = plan
+        plan = _plans.put(memo_key, _plan(query, key, value, mask, causal, scale, window,
+                                          softcap, diag_offset, explicit, return_lse,
+                                          key_mask_table, mods))
     return run_kernel(plan, query, key, value, mask, eager=eager)
 
 
-_plans: dict = {}
-_MAX_PLANS = 4096
+_plans = Memo("launch plans", 4096)
 
 
 def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, explicit,
@@ -278,19 +281,19 @@ def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, 
                                       seq_kv=key.shape[2]))
 
 
-@functools.lru_cache(maxsize=None)
+@memoize(64)
 def _arch_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@memoize(64)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @_attention_op.register_fake
 def _attention_fake(query, key, value, mask, mask_kind, causal, scale, window, softcap,
-                    diag_offset, schedule):
+                    diag_offset, schedule, mods_key, captures):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = query.new_empty(query.shape[:3], dtype=torch.float32)
     return out, lse
@@ -307,7 +310,7 @@ def _backward(ctx, grad_out, grad_lse):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@functools.lru_cache(maxsize=None)
+@memoize(64)
 def kernel_available(device: torch.device) -> bool:
     """Whether the cuTile kernel can run on ``device`` (CUDA, sm_80+, cuda-tile importable)."""
     if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
@@ -321,7 +324,7 @@ def kernel_available(device: torch.device) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@memoize(64)
 def _warn_reference_once(device: torch.device) -> None:
     if device.type == "cuda" and os.environ.get(FORCE_REFERENCE_ENV, "") in ("", "0"):
         reason = "no cuTile-capable GPU/toolchain (sm_80+ and cuda-tile needed)"

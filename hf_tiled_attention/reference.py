@@ -12,8 +12,10 @@ from typing import Optional
 
 import torch
 
-from .masks import ADDITIVE, CompactMask, ModMask, position_visibility
+from .kernel_params import ADDITIVE_MASK
+from .masks import CompactMask, ModMask
 from .mods import index_grid
+from .visibility import key_span, visible
 
 QUERY_CHUNK = 256
 KEY_CHUNK = 512
@@ -46,13 +48,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         q1 = min(q0 + QUERY_CHUNK, seq_q)
         q = q_grouped[:, :, :, q0:q1].float()
         pos = torch.arange(q0, q1, device=query.device)[:, None] + diag_offset  # (cq, 1)
-        k_lo, k_hi = 0, seq_kv
-        if window is not None:
-            k_lo = max(q0 + diag_offset - window + 1, 0)
-            if not causal:
-                k_hi = min(q1 - 1 + diag_offset + window, seq_kv)
-        if causal:
-            k_hi = min(q1 - 1 + diag_offset + 1, seq_kv)
+        k_lo, k_hi, _, _ = key_span(q0 + diag_offset, q1 - 1 + diag_offset, seq_kv,
+                                    window or 0, causal, window is not None)
         row_max = torch.full(q.shape[:-1] + (1,), -math.inf, device=query.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros(q.shape, device=query.device)
@@ -70,14 +67,15 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             if score_mod is not None:
                 s = torch.broadcast_to(score_mod(s, b_idx, h_idx, q_idx, kv_idx), s.shape)
             cols = torch.arange(k0, k1, device=query.device)[None, :]
-            s = s.masked_fill(~position_visibility(pos, cols, causal, window), -math.inf)
+            s = s.masked_fill(~visible(pos, cols, seq_kv, window or 0, causal,
+                                       window is not None), -math.inf)
             if isinstance(mask, ModMask):
                 s = s.masked_fill(~mask.mods.mask_mod(b_idx, h_idx, q_idx, kv_idx), -math.inf)
             if mask_t is not None:
                 m = mask_t[..., k0:k1]
                 if mask.per_row:
                     m = m[..., q0:q1, :]
-                if mask.kind == ADDITIVE:  # -inf hides the key, NaN score or not
+                if mask.kind == ADDITIVE_MASK:  # -inf hides the key, NaN score or not
                     s = (s + m.float()).masked_fill(m == float("-inf"), -math.inf)
                 else:
                     s = s.masked_fill(m == 0, -math.inf)

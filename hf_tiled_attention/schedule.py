@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
+from .memo import memoize
+
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
 _BOOL_FIELDS = ("heavy_first", "pack_gqa", "split_head_dim")
+# A packed tile (decode) has at least the warpgroup MMA's 64 rows and at most two warpgroups'.
+PACKED_TILE_ROWS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class Schedule:
         split_head_dim: a head dim that is a power of two plus a smaller one (80 = 64 + 16,
             96 = 64 + 32, 160 = 128 + 32) runs as two tiles instead of one zero-padded to the
             next power of two (which does 1.6x the MMA work at 80). Other head dims are padded.
+        pack_tile_m: the most rows of a packed tile (64 or 128): a packed call takes the
+            smaller of 64 and this that holds its group's heads x positions (fewer real rows
+            are zero padding: decode is bound by reading K/V, not by the MMA). A packed tile
+            runs one warpgroup (4 worker warps) per 64 rows.
+        pack_occupancy: blocks per SM for a 64-row packed tile (a 128-row one, two
+            warpgroups, takes an SM's registers and runs at occupancy 1).
     """
 
     tile_m: Optional[int] = None
@@ -59,6 +68,8 @@ class Schedule:
     kv_splits: Optional[int] = None
     pack_gqa: Optional[bool] = None
     split_head_dim: Optional[bool] = None
+    pack_tile_m: Optional[int] = None
+    pack_occupancy: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -69,6 +80,10 @@ class Schedule:
         _check_range("k_latency", self.k_latency, 1, 10)
         _check_range("v_latency", self.v_latency, 1, 10)
         _check_range("kv_splits", self.kv_splits, 0, 256)
+        _check_range("pack_occupancy", self.pack_occupancy, 1, 32)
+        if self.pack_tile_m is not None and self.pack_tile_m not in PACKED_TILE_ROWS:
+            raise ValueError(f"Schedule.pack_tile_m must be one of {PACKED_TILE_ROWS}, got "
+                             f"{self.pack_tile_m!r}")
         if self.num_ctas is not None and self.num_ctas not in (1, 2, 4, 8, 16):
             raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got {self.num_ctas!r}")
         if self.num_worker_warps is not None and self.num_worker_warps not in (1, 2, 4, 8, 16, 32):
@@ -114,7 +129,7 @@ class Schedule:
         return _decoded(cls, tuple(values))
 
 
-@functools.lru_cache(maxsize=256)
+@memoize(256)
 def _decoded(cls: type, values: tuple) -> Schedule:
     fields = dataclasses.fields(cls)
     if len(values) != len(fields):
@@ -133,51 +148,70 @@ def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
         raise ValueError(f"Schedule.{name} must be an int in [{low}, {high}], got {value!r}")
 
 
-# The default table. Keyed by (arch major, head-dim tile, causal); dtype-independent for now
-# because fp16 and bf16 share one instruction path. Values measured on the H200 (sm_90) live in
-# eval/results/<gpu>/; other archs use the sm_90 entries.
-_BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
-                 k_latency=2, v_latency=4, heavy_first=True,
-                 # perf-notes: key splits and GQA packing for long queries (step 7) lost on the
-                 # H200 and stay off; the head-dim split (step 9) won.
-                 kv_splits=1, pack_gqa=False, split_head_dim=True)
-# One warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1).
-_ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2)
-# Two warpgroups (64 rows each) sharing every K/V tile: FlashAttention-3's 128-row shape.
-_TWO_WARPGROUPS = dataclasses.replace(_BASE, tile_m=128, tile_n=128, occupancy=1,
-                                      num_worker_warps=8)
-_DEFAULTS: dict[tuple[int, int, bool], Schedule] = {}
-for _tile_d in (16, 32, 64, 128):
-    _DEFAULTS[(9, _tile_d, True)] = _ONE_WARPGROUP
-    _DEFAULTS[(9, _tile_d, False)] = _ONE_WARPGROUP
-# Two warpgroups win without causal masking and lose with it (perf-notes step 5).
-for _tile_d in (64, 128):
-    _DEFAULTS[(9, _tile_d, False)] = _TWO_WARPGROUPS
-# Head dims that run as 64 + a smaller tile (80, 96; see head_dim_parts): one warpgroup per
-# 64-row tile at occupancy 2 for both masks (perf-notes step 9).
-_SPLIT_AFTER_64 = _ONE_WARPGROUP
-# 128 + a smaller tile (144, 160, 192): two warpgroups on 128x128 tiles for both masks (perf-notes
-# step 16).
-_SPLIT_AFTER_128 = _TWO_WARPGROUPS
-# D=256: 128x64 with two warpgroups (64x64 with one is slower; perf-notes step 5).
-for _causal in (False, True):
-    _DEFAULTS[(9, 256, _causal)] = dataclasses.replace(_BASE, tile_m=128, tile_n=64,
-                                                       num_worker_warps=8)
-# Calls with little work per query tile take the one-warpgroup 64-row entry instead of the
-# two-warpgroup 128-row one: a query of at most SHORT_QUERY_ROWS rows fills at most half of a
-# 128-row tile (perf-notes step 15), and with at most SHORT_KEYS keys two 64-row CTAs per SM
-# hide each other's prologue and epilogue, which the short key loop exposes (steps 5 and 17).
+# Queries of at most DECODE_QUERY_ROWS rows (decode, speculative decoding) pack the query heads of
+# a kv head into one tile and split the keys to fill the GPU (the launcher's decode path).
+DECODE_QUERY_ROWS = 16
+# "short" calls: at most SHORT_QUERY_ROWS query rows (half of a 128-row tile at most: perf-notes
+# step 15) or at most SHORT_KEYS keys (two 64-row CTAs per SM hide each other's prologue and
+# epilogue, which a short key loop exposes: steps 5 and 17).
 SHORT_QUERY_ROWS = 64
 SHORT_KEYS = 2048
-# Queries of at most DECODE_QUERY_ROWS rows (decode, speculative decoding) also pack the query
-# heads of a kv head into one tile and split the keys to fill the GPU (the launcher's decode path;
-# perf-notes step 18).
-DECODE_QUERY_ROWS = 16
+CALL_KINDS = ("long", "short", "decode")
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One row of the default table: the schedule for calls on ``arch`` (major) whose head-dim
+    class (:func:`head_dim_class`) is in ``head_dims``, whose causal flag is in ``causal`` and
+    whose call kind is in ``kinds`` (None: any), and why (the measurement behind it)."""
+    arch: int
+    head_dims: Optional[tuple]
+    causal: Optional[tuple]
+    kinds: Optional[tuple]
+    schedule: Schedule
+    why: str
+
+    def matches(self, arch: int, head_dim: str, causal: bool, kind: str) -> bool:
+        return (self.arch == arch and (self.head_dims is None or head_dim in self.head_dims)
+                and (self.causal is None or causal in self.causal)
+                and (self.kinds is None or kind in self.kinds))
+
+
+# Every field set: the tiles of the rows below replace a few.
+_BASE = Schedule(tile_m=128, tile_n=64, occupancy=1, num_ctas=1, num_worker_warps=4,
+                 k_latency=2, v_latency=4, heavy_first=True, kv_splits=1, pack_gqa=False,
+                 split_head_dim=True, pack_tile_m=128, pack_occupancy=1)
+ONE_WARPGROUP = dataclasses.replace(_BASE, tile_m=64, tile_n=128, occupancy=2, pack_occupancy=2)
+TWO_WARPGROUPS = dataclasses.replace(_BASE, tile_m=128, tile_n=128, num_worker_warps=8)
+WIDE_HEAD = dataclasses.replace(_BASE, tile_m=128, tile_n=64, num_worker_warps=8)
+
+# The default table, first matching row wins (H200 measurements: eval/results/nvidia-h200/,
+# perf-notes.md by step). Other archs take the sm_90 rows.
+TABLE: tuple[TableRow, ...] = (
+    TableRow(9, ("64", "128", "32+"), (False,), ("long",), TWO_WARPGROUPS,
+             "two 64-row warpgroups sharing each K/V tile win without causal masking and lose "
+             "with it (step 5); 48 = 32 + 16 is in the 64 tile's class"),
+    TableRow(9, ("256",), None, None, WIDE_HEAD,
+             "D=256: 128x64 tiles with two warpgroups; 64x64 with one is slower (step 5)"),
+    TableRow(9, ("128+",), None, None, TWO_WARPGROUPS,
+             "128 + a smaller tile (144, 160, 192): 128x128 with two warpgroups, even for "
+             "short calls, where a 64-row tile is short of registers (step 16)"),
+    TableRow(9, None, None, None, ONE_WARPGROUP,
+             "one warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1): causal "
+             "masking (step 5), short calls (steps 15, 17), 64 + a smaller tile (step 9)"),
+)
+# On top of the row, per call kind.
+KIND_OVERRIDES = {
+    "decode": (Schedule(pack_gqa=True, kv_splits=0),
+               "decode packs a kv head's query heads into one tile and splits the keys over "
+               "about one wave of blocks (step 18)"),
+}
+# Key splits and GQA packing for long queries lost on the H200 (step 7); the head-dim split won
+# (step 9): _BASE keeps kv_splits=1, pack_gqa=False, split_head_dim=True.
 
 
 def head_dim_tile(head_dim: int) -> int:
-    """The next power of two: a head dim's padded tile (zero-padded on load, clipped on store),
-    and the head-dim key of the default table."""
+    """The next power of two: a head dim's padded tile (zero-padded on load, clipped on store)."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
@@ -192,18 +226,16 @@ def head_dim_parts(head_dim: int, split: bool) -> tuple[int, int]:
     return head_dim_tile(head_dim), 0
 
 
-def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
-                     seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
-    """The default table's entry for one call (``dtype`` is part of the key for future entries).
-    ``seq_q`` and ``seq_kv``, when known, pick the one-warpgroup tile for short calls (at most
-    :data:`SHORT_QUERY_ROWS` query rows or :data:`SHORT_KEYS` keys), and for decode (at most
-    :data:`DECODE_QUERY_ROWS` query rows) GQA packing and automatic key splits."""
-    return _table_entry(arch_major, dtype, head_dim, causal, _call_kind(seq_q, seq_kv))
+def head_dim_class(head_dim: int) -> str:
+    """The table's head-dim key: the padded tile ("16" .. "256"), or "64+" / "128+" for a head
+    dim that runs as that power of two plus a smaller tile (80, 96; 144, 160, 192)."""
+    lead, tail = head_dim_parts(head_dim, split=True)
+    return f"{lead}+" if tail else str(lead)
 
 
-def _call_kind(seq_q: Optional[int], seq_kv: Optional[int]) -> str:
+def call_kind(seq_q: Optional[int], seq_kv: Optional[int]) -> str:
     """"decode" (at most DECODE_QUERY_ROWS queries), "short" (at most SHORT_QUERY_ROWS queries or
-    SHORT_KEYS keys) or "long"."""
+    SHORT_KEYS keys) or "long"; unknown lengths count as long."""
     if seq_q is not None and seq_q <= DECODE_QUERY_ROWS:
         return "decode"
     if (seq_q is not None and seq_q <= SHORT_QUERY_ROWS) or (
@@ -212,22 +244,30 @@ def _call_kind(seq_q: Optional[int], seq_kv: Optional[int]) -> str:
     return "long"
 
 
-def _table_entry(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
-                 kind: str) -> Schedule:
+def table_row(arch_major: int, head_dim: int, causal: bool, kind: str) -> TableRow:
+    """The default table's row for one call (sm_90's rows for archs without their own)."""
+    key = (head_dim_class(head_dim), bool(causal), kind)
+    for arch in (arch_major, 9):
+        for row in TABLE:
+            if row.matches(arch, *key):
+                return row
+    raise LookupError(f"no default schedule for head dim {head_dim}")  # (TABLE's last row)
+
+
+def default_schedule(arch_major: int, dtype: torch.dtype, head_dim: int, causal: bool,
+                     seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
+    """The default table's schedule for one call (``dtype`` is not part of the key yet: fp16
+    and bf16 share one instruction path). ``seq_q`` / ``seq_kv``, when known, pick the call
+    kind (:func:`call_kind`)."""
     del dtype
-    lead, tail = head_dim_parts(head_dim, split=True)
-    tile_d = head_dim_tile(head_dim)
-    if tail and lead == 64:
-        entry = _SPLIT_AFTER_64
-    elif tail and lead == 128:  # even for short calls: a 64-row tile is short of registers here
-        entry = _SPLIT_AFTER_128
-    else:
-        entry = _DEFAULTS.get((arch_major, tile_d, causal)) or _DEFAULTS[(9, tile_d, causal)]
-        if kind != "long" and entry is _TWO_WARPGROUPS:
-            entry = _ONE_WARPGROUP
-    if kind == "decode":
-        entry = dataclasses.replace(entry, pack_gqa=True, kv_splits=0)
-    return entry
+    return _table_entry(arch_major, head_dim, causal, call_kind(seq_q, seq_kv))
+
+
+def _table_entry(arch_major: int, head_dim: int, causal: bool, kind: str) -> Schedule:
+    schedule = table_row(arch_major, head_dim, causal, kind).schedule
+    if kind in KIND_OVERRIDES:
+        schedule = KIND_OVERRIDES[kind][0].merged_over(schedule)
+    return schedule
 
 
 _override: contextvars.ContextVar[Optional[Schedule]] = contextvars.ContextVar(
@@ -256,15 +296,15 @@ def resolve_schedule(explicit: Optional[Schedule], arch_major: int, dtype: torch
                      seq_q: Optional[int] = None, seq_kv: Optional[int] = None) -> Schedule:
     """Complete schedule for a call: default table (or the autotuner's ``tuned`` entry on top of
     it), then ``use_schedule``, then ``schedule=``. Memoised: it runs on every kernel call."""
-    return _layered(explicit, _override.get(), tuned, arch_major, dtype, head_dim, causal,
-                    _call_kind(seq_q, seq_kv))
+    return _layered(explicit, _override.get(), tuned, arch_major, head_dim, causal,
+                    call_kind(seq_q, seq_kv))
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize(1024)
 def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
-             tuned: Optional[Schedule], arch_major: int, dtype: torch.dtype, head_dim: int,
-             causal: bool, kind: str) -> Schedule:
-    schedule = _table_entry(arch_major, dtype, head_dim, causal, kind)
+             tuned: Optional[Schedule], arch_major: int, head_dim: int, causal: bool,
+             kind: str) -> Schedule:
+    schedule = _table_entry(arch_major, head_dim, causal, kind)
     for layer in (tuned, override, explicit):
         if layer is not None:
             schedule = layer.merged_over(schedule)

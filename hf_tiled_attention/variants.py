@@ -56,8 +56,24 @@ def chunked_attention(chunk: int):
     return mask_mod
 
 
-def prefix_lm(prefix_lengths: torch.Tensor):
-    """Bidirectional over each row's prefix (``prefix_lengths`` (B,) ints), causal after it."""
+def prefix_lm(prefix_lengths):
+    """Bidirectional over the prefix, causal after it: ``prefix_lengths`` is one int (the same
+    prefix for every row) or a ``(B,)`` integer tensor (each row's own)."""
+    if isinstance(prefix_lengths, int) and not isinstance(prefix_lengths, bool):
+        if prefix_lengths < 0:
+            raise ValueError(f"prefix_lengths must be >= 0, got {prefix_lengths}")
+        length = prefix_lengths
+
+        def same_prefix(b, h, q_idx, kv_idx):
+            return (kv_idx < length) | (q_idx >= kv_idx)
+        return same_prefix
+    if not (isinstance(prefix_lengths, torch.Tensor) and prefix_lengths.dim() == 1
+            and not prefix_lengths.is_floating_point() and prefix_lengths.dtype != torch.bool):
+        raise TypeError("prefix_lengths must be an int or a (B,) integer tensor, got "
+                        f"{type(prefix_lengths).__name__}"
+                        + (f" of shape {tuple(prefix_lengths.shape)} and dtype "
+                           f"{prefix_lengths.dtype}" if isinstance(prefix_lengths, torch.Tensor)
+                           else ""))
     prefix = prefix_lengths.to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):

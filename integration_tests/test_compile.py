@@ -94,3 +94,24 @@ def test_static_cache_generate_compiles_once(name):
                                           compile_config=config)
     assert 1 <= graphs["tiled"] <= graphs["eager"] <= 2, graphs
     assert torch.equal(tokens["tiled"], tokens["eager"])
+
+
+def test_packed_rows_run_as_a_mask_mod_under_compile(op_calls):
+    """cu_seq_lens (DataCollatorWithFlattening) under torch.compile(fullgraph=True): the
+    documents reach the op as the same-document mask_mod (a pre-translated template whose
+    per-token ids are graph values), not as a dense mask, and each matches its own run."""
+    tiled = build("llama", "tiled")
+    lengths = [7, 11, 5]
+    g = torch.Generator().manual_seed(12)
+    docs = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, 7, 18, 23], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    compiled = torch.compile(tiled, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        packed = compiled(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                          max_length_q=11, max_length_k=11, use_cache=False).logits[0]
+        alone = torch.cat([tiled(d[None], use_cache=False).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
+    traced = op_calls[:tiled.config.num_hidden_layers]
+    assert all(mods is not None and mask is None for mask, mods in traced), traced

@@ -1,6 +1,8 @@
 """GPU parity (marker `gpu`; skipped without CUDA): bf16/fp16 logits against eager and sdpa,
 and greedy generation checked by teacher forcing. Self-contained, tiny models, a few seconds."""
 
+import math
+
 import pytest
 import torch
 
@@ -39,23 +41,81 @@ def test_logits_vs_eager_and_sdpa(name, side, dtype):
         assert (tiled - sdpa).abs().max().item() <= 2 * ref_err + BASE_TOL[dtype]
 
 
+def _generated_steps(model, ids, mask, new: int, cache: str):
+    """Greedy generate() of exactly ``new`` tokens: (sequences, the logits of each step)."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                         output_logits=True, cache_implementation=cache)
+    return out.sequences, torch.stack(out.logits, 1).float()
+
+
+def _teacher_forced(name, dtype, sequences, mask, prompt: int, new: int, eos: int):
+    """The logits eager gives each generated step from the whole sequence at once, with the
+    token that min_new_tokens forbids (EOS) out of the running."""
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], 1)
+    with torch.no_grad():
+        logits = _on_gpu(name, "eager", dtype)(sequences, attention_mask=full_mask).logits
+    steps = logits.float()[:, prompt - 1:-1]
+    steps[..., eos] = -math.inf
+    return steps
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_greedy_generate_teacher_forced(name, cache):
-    """Each token tiled picks greedily is (within dtype noise) the fp32 eager argmax."""
+    """Each token tiled picks greedily (bf16) has, in fp32 eager teacher-forced on the same
+    sequence, a logit within bf16's own noise of the best allowed one: twice eager bf16's
+    largest logit error on that sequence, plus BASE_TOL. (A tiny random model has near-ties,
+    and gpt-oss's top-1 expert routing turns a rounding difference into a different expert:
+    a fixed bound failed on bf16 noise that fp32 shows is not the kernel's; perf-notes.)"""
     dtype = torch.bfloat16
     ids, mask = padded_batch([40, 17, 29], 40, "left", seed=2, device="cuda")
     tiled = _on_gpu(name, "tiled", dtype)
     new = 24
     with torch.no_grad():
-        out = tiled.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0, cache_implementation=cache)
-        full_mask = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype, device="cuda")], 1)
-        ref = build(name, "eager").to("cuda")(out, attention_mask=full_mask).logits.float()
-    steps = ref[:, ids.shape[1] - 1:-1]
-    chosen = steps.gather(-1, out[:, ids.shape[1]:, None]).squeeze(-1)
-    gap = steps.max(-1).values - chosen
-    assert gap.max().item() <= 0.25, gap.max().item()
+        sequences, _ = _generated_steps(tiled, ids, mask, new, cache)
+    eos = tiled.generation_config.eos_token_id
+    fp32 = _teacher_forced(name, torch.float32, sequences, mask, ids.shape[1], new, eos)
+    noise = (_teacher_forced(name, dtype, sequences, mask, ids.shape[1], new, eos)
+             - fp32).nan_to_num(0.0, 0.0, 0.0).abs().max().item()
+    chosen = fp32.gather(-1, sequences[:, ids.shape[1]:, None]).squeeze(-1)
+    gap = (fp32.max(-1).values - chosen).max().item()
+    assert gap <= 2 * noise + BASE_TOL[dtype], (gap, noise)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
+def test_batch_one_long_prompt_generate_matches_eager(name, cache):
+    """Batch 1 after a 1100-token prompt: decode splits the keys over blocks (the key-split
+    path and its merge), inside CUDA graphs with the static cache's compiled step. fp32 (the
+    kernel's TF32x3 path) so the check is sharp: every step's logits within 2e-3 of eager's
+    fp32 teacher-forced ones, and each token eager's own argmax."""
+    ids, mask = padded_batch([1100], 1100, "left", seed=7, device="cuda")
+    tiled = _on_gpu(name, "tiled", torch.float32)
+    new = 16
+    with torch.no_grad():
+        sequences, steps = _generated_steps(tiled, ids, mask, new, cache)
+    eos = tiled.generation_config.eos_token_id
+    want = _teacher_forced(name, torch.float32, sequences, mask, ids.shape[1], new, eos)
+    steps[..., eos] = -math.inf
+    assert (steps - want).nan_to_num(0.0, 0.0, 0.0).abs().max().item() <= 2e-3
+    chosen = want.gather(-1, sequences[:, ids.shape[1]:, None]).squeeze(-1)
+    assert (want.max(-1).values - chosen).max().item() <= 2e-3
+
+
+def test_static_generate_first_call_in_a_fresh_process():
+    """The regression of issue 18: a process whose first "tiled" call is a compiled
+    static-cache generate() at batch 1 (every cache of the package first filled inside a CUDA
+    graph's warm-up) must not leave tensors in the graph's memory pool."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("static_generate_fresh.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "static generate ok" in done.stdout
 
 
 def test_fp16_generate_matches_sdpa():

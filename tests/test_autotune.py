@@ -13,9 +13,25 @@ from hf_tiled_attention.autotune import CANDIDATES, ScheduleCache, TuneKey, seq_
 KEY = TuneKey(9, "bfloat16", 128, True, 4096)
 
 
+def _candidate(tile_m, tile_n, occupancy=None):
+    return next(c for c in CANDIDATES if (c.tile_m, c.tile_n) == (tile_m, tile_n)
+                and occupancy in (None, c.occupancy))
+
+
+def test_candidates_derive_from_the_default_table():
+    """Every tile shape of the default table is a candidate, with its half-width key tile."""
+    from hf_tiled_attention.schedule import TABLE
+    for row in TABLE:
+        s = row.schedule
+        assert _candidate(s.tile_m, s.tile_n, s.occupancy).num_worker_warps == \
+            s.num_worker_warps
+        assert _candidate(s.tile_m, s.tile_n // 2, s.occupancy)
+    assert len(set(CANDIDATES)) == len(CANDIDATES)
+
+
 def test_tune_picks_fastest_and_survives_failing_candidates():
     times = {(c.tile_m, c.tile_n, c.occupancy): 5.0 + i for i, c in enumerate(CANDIDATES)}
-    times[(128, 64, 2)] = 1.0
+    times[(64, 64, 2)] = 1.0
 
     def run(schedule):
         if schedule.tile_n == 128 and schedule.tile_m == 128:
@@ -24,7 +40,7 @@ def test_tune_picks_fastest_and_survives_failing_candidates():
 
     best, timings = tune(run, CANDIDATES, cuda=False,
                          timer=lambda fn, *, cuda, warmup, reps: fn())
-    assert (best.tile_m, best.tile_n, best.occupancy) == (128, 64, 2)
+    assert (best.tile_m, best.tile_n, best.occupancy) == (64, 64, 2)
     assert math.isinf(timings["tile_m=128;tile_n=128;occupancy=1;num_worker_warps=8"])
     assert len(timings) == len(CANDIDATES)
 
@@ -92,7 +108,8 @@ def stubbed_kernel(monkeypatch, tmp_path):
 def test_op_uses_tuned_schedule_unless_overridden(stubbed_kernel, monkeypatch, tmp_path):
     q = torch.randn(1, 4, 300, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
-    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, True, 512), CANDIDATES[1], {})
+    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, True, 512), _candidate(128, 128),
+                                {})
     monkeypatch.setenv(autotune.ENABLE_ENV, "1")
     hta.tiled_attention(q, k, k, is_causal=True)
     assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (128, 128)
@@ -108,9 +125,10 @@ def test_op_uses_tuned_schedule_unless_overridden(stubbed_kernel, monkeypatch, t
 
 def test_short_queries_have_their_own_tuning_entry(stubbed_kernel, monkeypatch, tmp_path):
     k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
-    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, False, 512), CANDIDATES[1], {})
+    ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, False, 512), _candidate(128, 128),
+                                {})
     ScheduleCache(tmp_path).put(TuneKey(9, "bfloat16", 128, False, 512, short_query=True),
-                                CANDIDATES[4], {})
+                                _candidate(64, 64), {})
     monkeypatch.setenv(autotune.ENABLE_ENV, "1")
     hta.tiled_attention(torch.randn(1, 4, 300, 128, dtype=torch.bfloat16), k, k)
     assert (stubbed_kernel[-1].variant.tile_m, stubbed_kernel[-1].variant.tile_n) == (128, 128)

@@ -16,7 +16,10 @@ import inspect
 import pytest
 import torch
 
-from hf_tiled_attention.launch import KernelConstants, MergeConstants, export_cubin, plan_launch
+import hf_tiled_attention as hta
+
+from hf_tiled_attention.kernel_params import AttentionConstants
+from hf_tiled_attention.launch import MergeConstants, export_cubin, plan_launch
 from hf_tiled_attention.masks import compact_mask
 from hf_tiled_attention.schedule import Schedule, resolve_schedule
 
@@ -108,16 +111,24 @@ def test_kernel_compiles_to_cubin(arch, dtype, head_dim, options):
         assert export_cubin(plan, *tensors, arch=arch, kernel="merge")[:4] == b"\x7fELF"
 
 
-def test_constants_are_passed_in_the_kernels_order():
-    """The launcher builds the constants by name; the kernels take them by position."""
-    from hf_tiled_attention.kernel import attention_forward
+def _constant_params(fn) -> list:
+    params = inspect.signature(fn).parameters
+    return [name for name, p in params.items() if "ConstantAnnotation" in repr(p.annotation)]
+
+
+def test_constants_are_declared_once():
+    """The attention kernel takes its constants as one AttentionConstants tuple (its last
+    parameter) and reads every declared field; the merge takes its few by position."""
+    from hf_tiled_attention import kernel
     from hf_tiled_attention.merge import merge_splits
-    for kernel, names in ((attention_forward, KernelConstants._fields),
-                          (merge_splits, MergeConstants._fields)):
-        params = inspect.signature(kernel._pyfunc).parameters
-        constants = [name for name, p in params.items() if "ConstantAnnotation" in repr(p.annotation)]
-        assert tuple(constants) == names
-        assert list(params)[-len(names):] == constants  # the constants come last
+    assert _constant_params(kernel.attention_forward) == ["C"]
+    assert list(inspect.signature(kernel.attention_forward).parameters)[-1] == "C"
+    source = inspect.getsource(kernel)
+    unread = [name for name in AttentionConstants._fields if f"C[P.{name}]" not in source]
+    assert not unread, f"declared but never read by the kernel: {unread}"
+    constants = _constant_params(merge_splits)
+    assert tuple(constants) == MergeConstants._fields
+    assert list(inspect.signature(merge_splits).parameters)[-len(constants):] == constants
 
 
 def test_decode_plan_packs_rows_and_splits_keys():
@@ -176,10 +187,14 @@ def test_decode_packing_can_be_turned_off():
     assert plan.kv_splits == 1 and plan.variant.g_tile == 1 and plan.merge is None
 
 
+def _kept_workspaces() -> int:
+    return hta.cache_sizes()["key-split workspaces"]
+
+
 def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     from hf_tiled_attention import launch
 
-    monkeypatch.setattr(launch, "_split_workspaces", {})
+    hta.clear_caches()
     plan, (q, k, _) = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None))
     q, k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
     first = launch.launch_arrays(plan, q, k, k, None, keep_for_stream=0)
@@ -196,26 +211,31 @@ def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     # Another plan gets its own; past the byte budget the kept ones are dropped, not grown.
     other, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=4))
     launch.launch_arrays(other, q, k[:, :4], k[:, :4], None, keep_for_stream=0)
-    assert len(launch._split_workspaces) == 2
+    assert _kept_workspaces() == 2
     monkeypatch.setattr(launch, "_MAX_KEPT_WORKSPACE_BYTES", plan.views.workspace * 4 * 2)
     third, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=2))
-    launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
-    assert [key[0] for key in launch._split_workspaces] == [third.views]
+    kept = launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
+    assert _kept_workspaces() == 1
+    again = launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
+    assert again.merge[0].data_ptr() == kept.merge[0].data_ptr()
 
 
-def test_only_eager_calls_keep_a_workspace(monkeypatch):
-    # The registered op (torch.compile, CUDA graphs: allocations may come from a graph's pool)
-    # and autotuning candidates allocate theirs per call; an eager decode call keeps its own.
+def test_only_eager_calls_keep_device_memory():
+    """The registered op (torch.compile, CUDA graphs: allocations may come from a graph's
+    pool) and autotuning candidates make their workspace, placeholders and block tables per
+    call; an eager call keeps them for the next."""
     from eval.host_overhead import stubbed_launch
-    from hf_tiled_attention import launch, op
+    from hf_tiled_attention import op
 
-    monkeypatch.setattr(launch, "_split_workspaces", {})
     q = torch.randn(2, 32, 1, 128, dtype=torch.bfloat16)
     k = torch.randn(2, 8, 4096, 128, dtype=torch.bfloat16)
+    keys = torch.rand(2, 1, 1, 4096) > 0.2
     with stubbed_launch():
-        torch.ops.hf_tiled_attention.attention(q, k, k, None, 0, True, 0.1, 0, 0.0, 4095,
-                                               Schedule().as_list())
-        assert not launch._split_workspaces
-        op.attention(q, k, k, None, causal=True, scale=0.1, window=None, softcap=None,
+        torch.ops.hf_tiled_attention.attention(q, k, k, keys, 1, True, 0.1, 0, 0.0, 4095,
+                                               Schedule().as_list(), None, [])
+        sizes = hta.cache_sizes()
+        assert sizes["key-split workspaces"] == sizes["launch placeholders"] == 0
+        op.attention(q, k, k, keys, causal=True, scale=0.1, window=None, softcap=None,
                      diag_offset=4095)
-        assert len(launch._split_workspaces) == 1
+        sizes = hta.cache_sizes()
+        assert sizes["key-split workspaces"] == sizes["launch placeholders"] == 1

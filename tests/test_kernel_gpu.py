@@ -181,3 +181,48 @@ def test_nan_reaches_the_rows_that_see_it(nan_case, schedule):
     want_out, want_lse = definition(q, k, v, mask, **op_kwargs(nan_case.case, "cuda"))
     check_nan_pattern(out, lse, want_out, want_lse, TOLERANCE[torch.bfloat16],
                       nan_case.spreads)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_visibility_rule_is_the_same_on_the_gpu(seed):
+    """visibility.py is compiled into the kernels by cuTile and run by the host in Python and
+    torch: on random shapes, what the GPU computes with it (key-tile walks, query-row spans of
+    key tiles, element masks) equals the host's evaluation of the same functions."""
+    import cuda.tile as ct
+
+    from hf_tiled_attention.visibility import clip_tiles, key_tiles, query_span, visible
+    from visibility_probe import visibility_probe
+
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    tile_m, tile_n = pick(16, 64, 128), pick(16, 32, 64)
+    seq_q, seq_kv = int(torch.randint(1, 700, (1,), generator=g)), \
+        int(torch.randint(1, 900, (1,), generator=g))
+    diag = pick(seq_kv - seq_q, 0, int(torch.randint(-300, 300, (1,), generator=g)))
+    causal, window = pick(False, True), pick(0, 1, 37, 300)
+    splits = pick(1, 3)
+    m_tiles, n_tiles = -(-seq_q // tile_m), -(-seq_kv // tile_n)
+    ranges = torch.full((m_tiles + n_tiles, 16), -99, dtype=torch.int32, device="cuda")
+    seen = torch.full((m_tiles * tile_m, n_tiles * tile_n), -1, dtype=torch.int8, device="cuda")
+    ct.launch(torch.cuda.current_stream().cuda_stream, (m_tiles, n_tiles, 1), visibility_probe,
+              (ranges, seen, seq_q, seq_kv, diag, window, splits,
+               (tile_m, tile_n, causal, window > 0)))
+    torch.cuda.synchronize()
+    for m in range(m_tiles):
+        row_lo = m * tile_m
+        tiles = key_tiles(row_lo, min(row_lo + tile_m, seq_q) - 1, diag, seq_kv, window, tile_n,
+                          causal, window > 0)
+        walk = clip_tiles(*tiles, (0,) * 6, False, 0, splits)
+        assert ranges[m, :10].tolist() == list(tiles + walk), (m, tiles, walk)
+    for j in range(n_tiles):
+        span = query_span(j * tile_n, min(j * tile_n + tile_n, seq_kv) - 1, seq_q, diag, window,
+                          causal, window > 0)
+        assert ranges[m_tiles + j, 10:14].tolist() == list(span), (j, span)
+    rows = torch.arange(m_tiles * tile_m)[:, None] + diag
+    cols = torch.arange(n_tiles * tile_n)[None, :]
+    want = torch.broadcast_to(visible(rows, cols, seq_kv, window, causal, window > 0),
+                              seen.shape)
+    assert torch.equal(seen.cpu().bool(), want)

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import hf_tiled_attention as hta
+
 from hf_tiled_attention.masks import (compact_mask, mod_mask, reused_compact_mask, tile_ranges,
                                       tile_states)
 from hf_tiled_attention.mods import compile_mods, index_grid
@@ -115,8 +117,6 @@ def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
 def test_a_mask_tensor_passed_again_reuses_its_compact_form_until_it_changes():
     import gc
 
-    from hf_tiled_attention import masks
-
     mask = torch.rand(2, 1, 1, 300) > 0.3
     first = reused_compact_mask(mask, 2, 4, 50, 300)
     assert reused_compact_mask(mask, 2, 4, 50, 300) is first
@@ -124,9 +124,9 @@ def test_a_mask_tensor_passed_again_reuses_its_compact_form_until_it_changes():
     mask[0, 0, 0, :10] = False                                           # changed in place
     changed = reused_compact_mask(mask, 2, 4, 50, 300)
     assert changed is not first and not changed.tensor[0, 0, 0, :10].any()
-    entries = len(masks._compact_masks)
+    entries = hta.cache_sizes()["compact masks"]
     del mask, first, changed
     gc.collect()
-    assert len(masks._compact_masks) == entries - 1                      # not kept alive
+    assert hta.cache_sizes()["compact masks"] == entries - 1            # not kept alive
     with pytest.raises(ValueError, match="not broadcastable"):
         reused_compact_mask(torch.ones(3, 1, 1, 300, dtype=torch.bool), 2, 4, 50, 300)

@@ -101,8 +101,7 @@ def test_strided_inputs_are_not_copied():
 
 
 def test_warns_once_on_reference_path():
-    from hf_tiled_attention import op
-    op._warn_reference_once.cache_clear()
+    hta.clear_caches()
     q = torch.randn(1, 1, 4, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

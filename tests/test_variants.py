@@ -41,6 +41,7 @@ def test_variant_patterns_match_loops():
                   lambda b, i, j: j <= i and (i - j < 8 or j < 2)),
         "chunked": (variants.chunked_attention(16), lambda b, i, j: j <= i and i // 16 == j // 16),
         "prefix": (variants.prefix_lm(torch.tensor([5, 0])), lambda b, i, j: j < (5, 0)[b] or j <= i),
+        "prefix-int": (variants.prefix_lm(16), lambda b, i, j: j < 16 or j <= i),
         "documents": (variants.document_mask(variants.document_ids_from_cu_seqlens(
             torch.tensor([0, 10, 11, 40]))),
             lambda b, i, j: j <= i and (i < 10) == (j < 10) and (i == 10) == (j == 10)),
@@ -74,11 +75,11 @@ def test_translation_shares_kernels_between_equal_closures():
 def test_translation_memo_is_bounded():
     """Each forward of the transformers adapter makes new closures (holding its tensors): the
     memo of translations must not keep them all."""
-    from hf_tiled_attention import mods as mods_module
+    import hf_tiled_attention as hta
 
-    for width in range(mods_module._MAX_MEMO + 10):
+    for width in range(300):
         compile_mods(None, variants.sliding_window(width % 3 + 1))
-    assert len(mods_module._memo) <= mods_module._MAX_MEMO
+    assert hta.cache_sizes()["translated mods"] <= 256
 
 
 def _with_list(b, h, q_idx, kv_idx):
@@ -129,6 +130,100 @@ def test_mod_errors_name_the_problem():
         hta.tiled_attention(q, k, v, score_mod=elsewhere)
 
 
+def _builds_a_list(score, b, h, q_idx, kv_idx):
+    a = [1.0, 2.0]
+    return score * a[1]
+
+
+def _if_on_a_tensor(b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:
+        return q_idx >= 0
+    return kv_idx >= 0
+
+
+def _while_loop(score, b, h, q_idx, kv_idx):
+    while score > 0:
+        score = score - 1
+    return score
+
+
+def _and_on_tensors(b, h, q_idx, kv_idx):
+    return q_idx >= 0 and kv_idx >= 0
+
+
+def _chained(b, h, q_idx, kv_idx):
+    return 0 <= kv_idx <= q_idx
+
+
+def _ternary_on_a_tensor(score, b, h, q_idx, kv_idx):
+    return score if q_idx > 3 else -score
+
+
+@pytest.mark.parametrize("mod, role, pattern", [
+    (_builds_a_list, "score_mod", r"_builds_a_list \(.*test_variants.py, line \d+\): a list cannot"),
+    (_if_on_a_tensor, "mask_mod", r"_if_on_a_tensor \(.*line \d+\): `if q_idx > kv_idx` depends "
+                                  r"on the mod's arguments .*torch.where"),
+    (_while_loop, "score_mod", r"_while_loop \(.*line \d+\): a while loop cannot run"),
+    (_and_on_tensors, "mask_mod", r"`and` on per-element values: use &"),
+    (_chained, "mask_mod", r"chained comparison"),
+    (_ternary_on_a_tensor, "score_mod", r"depends on the mod's arguments: use torch.where"),
+])
+def test_mods_that_cannot_compile_are_refused_up_front(mod, role, pattern):
+    """Refused when translated (the CPU path translates too: what CI and users without a GPU
+    see first), naming the mod, its file and line, on tiled_attention's path as well."""
+    kwargs = {role: mod}
+    with pytest.raises(ModError, match=pattern):
+        compile_mods(kwargs.get("score_mod"), kwargs.get("mask_mod"))
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ModError, match=pattern):
+        hta.tiled_attention(q, q, q, **kwargs)
+
+
+def test_the_error_names_the_line_in_the_file():
+    import inspect
+    with pytest.raises(ModError) as caught:
+        compile_mods(None, _if_on_a_tensor)
+    line = inspect.getsourcelines(_if_on_a_tensor)[1] + 1  # the `if`, one line below the def
+    assert f"line {line})" in str(caught.value)
+
+
+WIDTH = 4
+CAUSAL = True
+RULES = (variants.causal_mask, variants.sliding_window(6))
+
+
+def _static_branches(b, h, q_idx, kv_idx):
+    """`if` on captured numbers, a loop over captured functions and a constant range."""
+    seen = q_idx >= 0
+    if CAUSAL and WIDTH > 2:
+        seen = seen & (kv_idx <= q_idx)
+    for rule in RULES:
+        seen = seen & rule(b, h, q_idx, kv_idx)
+    for step in range(2):
+        seen = seen & (kv_idx != q_idx - 10 * (step + 1))
+    return seen
+
+
+def test_static_control_flow_is_translated():
+    """What is fixed when the mod is translated (captured numbers, captured tuples of
+    functions, constant ranges) may steer an if or a loop: the loop is unrolled."""
+    mods = compile_mods(None, _static_branches)
+    b, h, q, k = (torch.zeros(1, 1, 1, 1, dtype=torch.long),) * 2 + (
+        torch.arange(40)[:, None], torch.arange(40)[None, :])
+    want = _static_branches(b, h, q, k)
+    assert torch.equal(torch.broadcast_to(mods.mask_mod(b, h, q, k), want.shape), want)
+    text = open(mods.path).read()
+    assert "for " not in text and text.count("q_idx - 10 * (step + 1)") == 0  # unrolled
+
+
+def test_prefix_lm_arguments():
+    with pytest.raises(TypeError, match="prefix_lengths must be an int or a \\(B,\\) integer "
+                                        "tensor, got Tensor of shape \\(2, 1\\)"):
+        variants.prefix_lm(torch.tensor([[3], [4]]))
+    with pytest.raises(ValueError, match="prefix_lengths must be >= 0"):
+        variants.prefix_lm(-1)
+
+
 def _rejected_by_cutile(score, b, h, q_idx, kv_idx, captures):
     return {"a dict": score}["a dict"]
 
@@ -146,7 +241,7 @@ def test_kernel_compile_errors_name_the_mod():
     good = compile_mods(variants.softcap(7.0), None)
     module = types.ModuleType("broken_mods")
     module.score_mod = _rejected_by_cutile
-    broken = CompiledMods(good.score_mod, None, "broken", module, (), good.path)
+    broken = CompiledMods("broken", module, (), good.path, good.names)
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     plan = plan_launch(q, q, None, causal=False, scale=0.1, window=None, softcap=None,
                        diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
@@ -213,16 +308,21 @@ def test_kernel_copy_with_mods_keeps_the_signature():
     import inspect
 
     pytest.importorskip("cuda.tile")
-    from hf_tiled_attention.kernel import attention_forward
-    from hf_tiled_attention.launch import _kernel_with_mods
+    from hf_tiled_attention import kernel
+    from hf_tiled_attention.launch import kernel_copy_with_mods, mod_callers
 
     mods = compile_mods(variants.softcap(5.0), variants.causal_mask)
-    copy = _kernel_with_mods(mods.module)._pyfunc
-    original = attention_forward._pyfunc
+    copy = kernel_copy_with_mods(mods.module)
+    original = kernel.attention_forward
     assert inspect.signature(copy) == inspect.signature(original)
     assert copy.__annotations__ == original.__annotations__
     assert copy.__globals__["_score_mod"] is mods.module.score_mod
-    assert copy.__globals__["_attend_tile"].__globals__ is copy.__globals__
+    assert copy.__globals__["_mask_mod"] is mods.module.mask_mod
+    # every helper that reaches a mod is found from the code and copied with the new globals
+    callers = {fn.__name__ for fn in mod_callers(original)}
+    assert {"attention_forward", "_query_tile", "_attend_tile"} <= callers
+    for name in callers:
+        assert copy.__globals__[name].__globals__ is copy.__globals__
 
 
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.name)
@@ -245,3 +345,42 @@ def test_variant_kernel_compiles_sm90(case):
     assert plan.variant.constants.SCORE_MOD == (mods.score_mod is not None)
     cubin = export_cubin(plan, q, k, mask, arch="sm_90")
     assert cubin[:4] == b"\x7fELF"
+
+
+def test_static_control_flow_compiles_sm90():
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.launch import export_cubin, plan_launch
+    from hf_tiled_attention.masks import mod_mask
+    from hf_tiled_attention.schedule import resolve_schedule
+
+    mods = compile_mods(None, _static_branches, fast_math=True)
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    mask = mod_mask(mods, 1, 2, 64, 64, torch.device("cpu"))
+    plan = plan_launch(q, q, mask, causal=False, scale=0.1, window=None, softcap=None,
+                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
+                       return_lse=False, mods=mods)
+    assert export_cubin(plan, q, q, mask, arch="sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_mods_cross_torch_compile(backend):
+    """A score_mod and a mask_mod made outside the compiled function run under
+    torch.compile(fullgraph=True): translated once while tracing, their generated code's key
+    and captured tensors go through the registered op (here to its reference side), and a
+    captured tensor is an input of the graph, read at every call."""
+    torch._dynamo.reset()
+    q, k, v = torch.randn(2, 4, 50, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    slopes = variants.alibi_slopes(4)
+    ids = torch.tensor([0] * 20 + [1] * 30, dtype=torch.int32)
+    score_mod, mask_mod = variants.alibi(slopes), variants.document_mask(ids)
+
+    def attend(q, k, v):
+        return hta.tiled_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+    compiled = torch.compile(attend, fullgraph=True, backend=backend)
+    want, _ = definition(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    torch.testing.assert_close(compiled(q, k, v).double(), want, atol=2e-5, rtol=0)
+    slopes.mul_(3.0)   # the graph reads the captured tensor, not a copy made at trace time
+    want, _ = definition(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    torch.testing.assert_close(compiled(q, k, v).double(), want, atol=2e-5, rtol=0)
+    torch._dynamo.reset()

@@ -1,0 +1,73 @@
+"""What the cuTile kernels and the host share: the kernels' compile-time constants, declared
+once, and the numbers both sides must agree on (mask kinds, tile states, block-table slots,
+score units).
+
+Pure Python (no torch, no cuTile), so the host imports it without a GPU toolchain and the
+kernels import it as cuTile code. The attention kernel takes its constants as ONE
+``ct.Constant`` parameter, an :class:`AttentionConstants` tuple, and reads a field as
+``C[P.NAME]`` (``P`` this module): each field's index is a module constant of the same name,
+derived from the declaration below, so adding a field is one line here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+# How a call's mask reaches the kernel (AttentionConstants.MASK_KIND).
+NO_MASK = 0
+BOOL_MASK = 1       # a bool tensor, read as uint8
+ADDITIVE_MASK = 2   # a float tensor added to the scores; -inf hides a key
+MASK_MOD = 3        # a translated mask_mod (mods.py), evaluated on partial tiles
+
+# Per (query tile, key tile) state in a block table (masks.BlockTable.states).
+TILE_EMPTY = 0      # nothing visible: the tile is skipped
+TILE_PARTIAL = 1    # some keys hidden: the mask is applied per element
+TILE_FULL = 2       # every key visible with zero bias: the mask is not even read
+
+# Slots of a query tile's key-tile ranges in a block table (masks.BlockTable.ranges).
+RANGE_FIRST = 0     # its first non-empty key tile
+RANGE_GAP_LO = 1    # [GAP_LO, GAP_HI): its longest run of empty tiles before the full run
+RANGE_GAP_HI = 2
+RANGE_FULL_LO = 3   # [FULL_LO, FULL_HI): its longest run of full tiles
+RANGE_FULL_HI = 4
+RANGE_END = 5       # one past its last non-empty key tile
+RANGE_SLOTS = 6
+
+
+class AttentionConstants(NamedTuple):
+    """The attention kernel's compile-time constants (one kernel variant per distinct tuple)."""
+    GROUP: int          # grid heads per key/value head: query heads, or with G_TILE > 1
+                        # packed tiles (1; MQA's 32 heads as two tiles of 16: 2)
+    G_TILE: int         # 1, or decode: a kv head's query heads as rows, padded to a power of 2
+    TILE_M: int         # query rows per tile (positions x G_TILE heads)
+    TILE_N: int         # keys per inner-loop step
+    TILE_D: int         # head dim rounded up to a power of two (loads pad with zeros), or its
+                        # leading power-of-two part when TAIL_D > 0
+    TAIL_D: int         # 0, or the rest of the head dim as a second tile (80 = 64 + 16)
+    CAUSAL: bool
+    WINDOWED: bool
+    SOFTCAP: bool
+    APPROX_TANH: bool   # softcap's tanh: the hardware's approximate one (16-bit inputs)
+    SCORE_MOD: bool     # scores pass through the translated score_mod
+    MASK_KIND: int      # NO_MASK, BOOL_MASK, ADDITIVE_MASK, MASK_MOD
+    MASK_BATCHED: bool  # the mask has a batch dim of size B (else 1)
+    MASK_HEADED: bool   # the mask has a head dim of size Hq (else 1)
+    MASK_ROWS: bool     # the mask has one row per query (else one row for all queries)
+    MASK_TABLE: bool    # TileState / TileRange hold the mask's block table (else the mask is
+                        # applied on every visited tile; only for a key vector)
+    SCORE_UNIT: float   # LOG2E: scores kept in log2 units; 1.0: natural units
+    FOLD_SCALE: bool    # score_scale > 0 applied inside the exponent (no softcap or bias)
+    WRITE_LSE: bool
+    HEAVY_FIRST: bool   # causal: launch the longest query tiles first
+    K_LATENCY: int      # load latency hints (Schedule.k_latency / v_latency)
+    V_LATENCY: int
+
+
+# C[P.CAUSAL] and friends: each field's index under its own name.
+for _index, _name in enumerate(AttentionConstants._fields):
+    globals()[_name] = _index
+del _index, _name
