@@ -274,14 +274,23 @@ def conjuncts(mask_mod: Callable) -> list[tuple[tuple, str]]:
 
 
 def structure(fn) -> tuple:
-    """What a translation of ``fn`` depends on: its code and, through its closure, the numbers
-    and the code it captures, recursively (a captured tensor counts by dtype and dims, not by
-    value). Functions of one structure translate alike, up to the tensors they read: a memo
+    """What a translation of ``fn`` depends on: its code and, through its closure and the
+    globals it reads, the numbers and the code it captures, recursively (a captured tensor
+    counts by dtype and dims, not by value). Functions of one structure translate alike, up to the tensors they read: a memo
     keyed by this serves the new closures transformers makes for every forward."""
+    visiting: set = set()
+
     def of(value):
         if isinstance(value, types.FunctionType):
+            if id(value) in visiting:  # (a function that reaches itself)
+                return ("again", value.__code__)
+            visiting.add(id(value))
             cells = tuple(of(_cell_value(c)) for c in (value.__closure__ or ()))
-            return (value.__code__, cells)
+            read = tuple((name, of(value.__globals__[name])) for name in value.__code__.co_names
+                         if name in value.__globals__
+                         and not isinstance(value.__globals__[name], types.ModuleType))
+            visiting.discard(id(value))
+            return (value.__code__, cells, read)
         if isinstance(value, (tuple, list)):
             return (type(value).__name__,) + tuple(of(v) for v in value)
         if isinstance(value, torch.Tensor):

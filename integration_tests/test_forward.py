@@ -1,6 +1,7 @@
 """Plain forward: tiled vs eager logits on non-pad positions (CPU, fp32)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -180,9 +181,16 @@ def test_mask_function_outputs():
     assert m.causal and m.dense is None and m.key_mask is None and m.mods is not None
     b, h, q, k = index_grid(2, (1,), torch.arange(5), torch.arange(5))
     assert torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q), want)
-    # an overlay the kernel cannot run (a method call): dense
+    # an overlay the kernel cannot run (a method call): dense, with one warning naming it
     fn = mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q // 2).eq(k // 2))
-    m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
+    hf_tiled_attention.clear_caches()
+    with pytest.warns(RuntimeWarning, match=r"the mask function and_masks.<locals>.and_mask "
+                      r"cannot run in the kernel \(function .*<lambda> .*line \d+\): "
+                      r"attribute access '\(q // 2\).eq'"):
+        m = tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per function: not again
+        tb.tiled_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
     want = mu.sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn,
                         allow_is_causal_skip=False)
     assert not m.causal and m.dense is not None and torch.equal(m.dense, want)
