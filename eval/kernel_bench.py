@@ -49,6 +49,8 @@ COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv"
            "causal", "window", "left_pad", "schedule", "ms", "tflops", "gpu_ms", "gpu_tflops",
            "gpu_kv_tbs", "max_err", "status", "reason"]
 L2_BYTES = 60 * 2**20
+# SDPA backends with GPU kernels only.
+CUDA_ONLY_BACKENDS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 # Named sweeps; explicit flags still override them. Each writes to its own results subfolder.
 PRESETS = {
     # The performance issue's standard sweep (its geomean / min ratio targets vs sdpa_auto).
@@ -182,6 +184,10 @@ def run_point(dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal, 
                    causal=causal, window=window, left_pad=left_pad,
                    schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", gpu_ms="",
                    gpu_tflops="", gpu_kv_tbs="", max_err="", status="ok", reason="")
+        if backend in CUDA_ONLY_BACKENDS and device == "cpu":
+            row.update(status="unsupported", reason="runs on CUDA only")
+            yield row
+            continue
         fn = make_call(backend, causal, schedule, window, key_mask, visible)
         out = first_call(fn, sets[0], row)  # SDPA backends refuse shapes with a RuntimeError
         if out is None:
@@ -341,6 +347,10 @@ def main(argv=None) -> int:
         if argv is None:  # plain command line: shrink the default sweep to CPU sizes
             args.seq, args.head_dim, args.heads, args.dtype = [128, 256], [64], ["4/2"], ["bf16"]
             args.reps, args.warmup, args.batch = 3, 1, [1]
+        cuda_only = [b for b in args.backends if b in CUDA_ONLY_BACKENDS]
+        if cuda_only:  # (torch would warn at every call that it has no kernel for them)
+            print(f"kernel_bench: {', '.join(cuda_only)} run on CUDA only: recorded as "
+                  "unsupported here, not called.")
     if any(w < 0 for w in args.window):
         raise SystemExit(f"--window expects sizes >= 0 (0 = no window), got {args.window}")
     if any(not 0.0 <= f < 1.0 for f in args.left_pad):

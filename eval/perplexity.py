@@ -31,7 +31,7 @@ BACKENDS = ["tiled", "sdpa", "eager"]
 PARITY_BOUND = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLUMNS = ["model", "text", "window", "dtype", "backend", "tokens", "ppl", "rel_diff_sdpa",
-           "rel_diff_eager_fp32", "max_abs_logit_diff_sdpa", "bound", "status"]
+           "rel_diff_eager_fp32", "max_abs_logit_diff_sdpa", "rel_diff_sdpa_bound", "status"]
 
 
 def find_default_model() -> tuple[str, str]:
@@ -73,6 +73,9 @@ def load_models(args, dtype: torch.dtype, device: str):
     """One model per backend, each with its own config object (a model reads its backend from
     its config at run time: shared configs would make every backend run the last one set)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    if not sys.stderr.isatty():  # (the GGUF de-quantising bars: carriage-return frames in logs)
+        hf_logging.disable_progress_bar()
     kwargs = dict(dtype=dtype)
     if args.gguf_file:
         kwargs["gguf_file"] = args.gguf_file
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
                         rel_diff_sdpa="" if rel_sdpa is None else f"{rel_sdpa:.3e}",
                         rel_diff_eager_fp32="" if rel_eager is None else f"{rel_eager:.3e}",
                         max_abs_logit_diff_sdpa=f"{r['max_diff']:.4g}" if sdpa_ppl else "",
-                        bound=PARITY_BOUND[dtype_name], status=status))
+                        rel_diff_sdpa_bound=PARITY_BOUND[dtype_name], status=status))
                     print(" ".join(f"{k}={v}" for k, v in results.rows[-1].items()),
                           flush=True)
             del models

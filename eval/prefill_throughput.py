@@ -81,7 +81,7 @@ def plot(rows: list[dict], out_dir: Path) -> None:
             ax.set(xscale="log", xlabel="sequence length", ylabel=ylabel, title=title)
             label_lengths(ax, seqs)
             ax.legend(fontsize=7)
-    save_figure(fig, out_dir / "prefill.png", dpi=80, measured_on_gpu=with_memory)
+    return save_figure(fig, out_dir / "prefill.png", dpi=80, measured_on_gpu=with_memory)
 
 
 def main(argv=None) -> int:
@@ -132,8 +132,7 @@ def main(argv=None) -> int:
                             torch.cuda.empty_cache()
         del models
     csv_path = results.finish(extra={"dtype": str(dtype)})
-    plot(results.rows, out_dir)
-    print(f"csv: {csv_path}")
+    print(f"csv: {csv_path}\nplot: {plot(results.rows, out_dir)}")
     return 0
 
 
