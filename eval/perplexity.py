@@ -16,11 +16,17 @@ import argparse
 import copy
 import importlib.util
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
 
-import torch
+if not sys.stderr.isatty():
+    # transformers' GGUF loader draws a tqdm bar it offers no switch for: in a log its frames
+    # are carriage-return noise. tqdm reads TQDM_DISABLE once, when it is first imported.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
@@ -73,9 +79,6 @@ def load_models(args, dtype: torch.dtype, device: str):
     """One model per backend, each with its own config object (a model reads its backend from
     its config at run time: shared configs would make every backend run the last one set)."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    if not sys.stderr.isatty():  # (the GGUF de-quantising bars: carriage-return frames in logs)
-        hf_logging.disable_progress_bar()
     kwargs = dict(dtype=dtype)
     if args.gguf_file:
         kwargs["gguf_file"] = args.gguf_file
