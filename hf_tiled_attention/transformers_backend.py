@@ -70,8 +70,9 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout and getattr(module, "training", False):
         raise ValueError(
             f"attn_implementation='tiled' has no attention dropout, but the module is in "
-            f"training mode with dropout={dropout}. Call model.eval(), set the config's "
-            "attention_dropout to 0, or use attn_implementation='sdpa' for training.")
+            f"training mode with dropout={dropout}. To train with 'tiled', set the config's "
+            "attention_dropout to 0.0 (most recent models train without it); for inference "
+            "call model.eval(); to keep attention dropout, use attn_implementation='sdpa'.")
     for name, what, instead in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attn_implementation='tiled' does not support {what}; use "
