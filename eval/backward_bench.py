@@ -256,7 +256,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
                                  r["heads_kv"], r["seq"], r["head_dim"], r["causal"])
                                 for r in ok))
     backends = list(dict.fromkeys(r["backend"] for r in ok))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(points) * len(backends) / 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(points)), 4.5))
     width = 0.8 / max(len(backends), 1)
     for i, backend in enumerate(backends):
         values = {tuple(r[c] for c in ("variant", "dtype", "batch", "heads_q", "heads_kv",
@@ -268,11 +268,11 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     ax.set_xticklabels([f"{p[0]} {p[1]} S{p[5]} {p[3]}/{p[4]} D{p[6]}"
                         + (" c" if p[7] == "1" else "") for p in points],
                        rotation=90, fontsize=6)
-    ax.set_ylabel("backward TF/s (2.5x forward FLOPs, useful)")
+    ax.set_ylabel("backward TF/s (useful; 2.5x fwd FLOPs)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, out_dir / "backward.png", dpi=110,
-                       measured_on_gpu=torch.cuda.is_available())
+                       measured_on_gpu=field == "gpu_tflops")
 
 
 def main(argv=None) -> int:
@@ -286,7 +286,15 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-seq", type=int, default=96,
                         help="sequence length of the CPU run (reference path)")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw backward.png from the folder's kernel_sweep.csv")
     args = parser.parse_args(argv)
+    if args.replot:
+        import csv
+        out_dir = args.out or results_dir() / "backward"
+        with open(out_dir / "kernel_sweep.csv") as f:
+            print(f"backward_bench: {plot(list(csv.DictReader(f)), out_dir)}")
+        return 0
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         print("backward_bench: no CUDA GPU; tiny sizes through the reference path (the numbers "
