@@ -22,7 +22,9 @@ Two kernels, neither with atomics, so the gradients are bitwise reproducible run
 Both read the constants as the forward does (one ``kernel_params.AttentionConstants`` tuple;
 TILE_M is the query tile, TILE_N the key tile) and hide scores with the forward's rules: the
 visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per mod by the
-launcher as in kernel.py). A score_mod's backward does not run here (see op.backward).
+launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
+(ALiBi, bias tables: derivative 1) and reads no tensor that needs a gradient; any other
+score_mod's backward runs the reference path (op.backward).
 """
 
 import math
@@ -34,6 +36,13 @@ from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, 
                             TILE_FULL, TILE_PARTIAL)
 from .tile_rows import mma, table_ranges
 from .visibility import clip_tiles, key_tiles, query_tiles, visible
+
+
+def _score_mod(score, b, h, q_idx, kv_idx, captures):
+    """Stand-in for a user's score_mod (replaced per mod by the launcher). Only a score_mod
+    that adds terms to its score runs here (mods.CompiledMods.score_mod_additive): its
+    derivative in the score is 1, so the gradients need nothing more from it."""
+    return score
 
 
 def _mask_mod(b, h, q_idx, kv_idx, captures):
@@ -142,6 +151,8 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
                  ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
         s, tanh = _scores(qk, scalars, C)
         q_idx = i * TILE_M + row_in_tile
+        if C[P.SCORE_MOD]:  # an additive score_mod: run as in the forward, derivative 1
+            s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
         s = _hidden(s, q_idx, kv_idx, EDGE, tile_state, (batch, head, mask_b, mask_h, i,
                                                          n_tile), Mask, Captures, scalars,
                     True, C)
@@ -235,7 +246,10 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         qk = mma(q, _transposed(K, k, batch, kv_head, j, TILE_N, TILE_D, C),
                  ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         s, tanh = _scores(qk, scalars, C)
-        s = _hidden(s, q_idx, j * TILE_N + col_in_tile, EDGE, tile_state,
+        kv_idx = j * TILE_N + col_in_tile
+        if C[P.SCORE_MOD]:
+            s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
+        s = _hidden(s, q_idx, kv_idx, EDGE, tile_state,
                     (batch, head, mask_b, mask_h, mask_m, j), Mask, Captures, scalars, False, C)
         p = _probabilities(s, lse, C)
         dp = mma(do, _transposed(V, v, batch, kv_head, j, TILE_N, TILE_D, C),

@@ -71,8 +71,10 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
     """The plan of every call with these properties (the forward's scalars and constants)."""
     schedule = schedule or backward_schedule(head_dim)
     kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
-    # Additive masks may hold huge finite values: natural units, as in the forward.
-    unit = 1.0 if kind == ADDITIVE_MASK else LOG2E
+    has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
+    # Additive masks may hold huge finite values, and a score_mod sees natural-unit scores:
+    # natural units, as in the forward.
+    unit = 1.0 if kind == ADDITIVE_MASK or has_score_mod else LOG2E
     if softcap is not None:
         score_scale, softcap_out = scale / softcap, softcap * unit
     else:
@@ -83,7 +85,8 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=head_dim_tile(head_dim),
             TAIL_D=0, CAUSAL=bool(causal), WINDOWED=bool(windowed),
             SOFTCAP=softcap is not None,
-            APPROX_TANH=softcap is not None and dtype != torch.float32, SCORE_MOD=False,
+            APPROX_TANH=softcap is not None and dtype != torch.float32,
+            SCORE_MOD=has_score_mod,
             MASK_KIND=kind, MASK_BATCHED=batched, MASK_HEADED=headed, MASK_ROWS=per_row,
             MASK_TABLE=kind != NO_MASK, SCORE_UNIT=unit, FOLD_SCALE=False, WRITE_LSE=False,
             HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,

@@ -131,3 +131,57 @@ def test_mask_mod_tables_are_built_once_across_op_calls(monkeypatch):
         mask.block_table(64, 64, keep=True)
         mask.block_table(64, 64, keep=True, transposed=True)
     assert built == [(64, 64)]
+
+
+@pytest.mark.parametrize("name, additive", [
+    ("alibi", True), ("t5", True), ("bias_minus", True), ("softcap", False), ("scaled", False),
+    ("where", False)])
+def test_which_score_mods_add_to_the_score(name, additive):
+    """The backward kernels run a score_mod only when its derivative in the score is 1."""
+    from hf_tiled_attention.mods import compile_mods
+    V = hta.variants
+    bias = torch.randn(64)
+
+    def bias_minus(score, b, h, q, kv):
+        doubled = bias[q] * 2
+        return doubled + score - bias[kv]
+
+    def scaled(score, b, h, q, kv):
+        return score * 2
+
+    def where(score, b, h, q, kv):
+        return torch.where(q >= kv, score, score + 1)
+
+    mods = {
+        "alibi": V.alibi(V.alibi_slopes(4)),
+        "t5": V.relative_position_bias(torch.randn(32, 4), V.relative_position_buckets(16, 16),
+                                       16),
+        "bias_minus": bias_minus, "softcap": V.softcap(3.0), "scaled": scaled, "where": where,
+    }
+    assert compile_mods(mods[name], None).score_mod_additive is additive
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_additive_score_mod_backward_takes_the_kernels(monkeypatch, learnable):
+    """With a GPU: an ALiBi score_mod's backward runs on the kernels; with slopes that require
+    grad it runs the reference path (which gives their gradient). Launches stubbed."""
+    from hf_tiled_attention import backward_launch, op
+
+    calls = []
+
+    def stub(grad_out, query, key, value, *args, **kwargs):
+        calls.append(kwargs["mods"].names)
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    monkeypatch.setattr(op, "kernel_available", lambda device: True)
+    monkeypatch.setattr(backward_launch, "run_backward", stub)
+    slopes = hta.variants.alibi_slopes(4)
+    q = torch.randn(1, 4, 32, 16)
+    k = torch.randn(1, 2, 32, 16)
+    out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
+                                      softcap=None, diag_offset=0)
+    compiled = hta.mods.compile_mods(hta.variants.alibi(slopes), None)
+    op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
+                window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
+                captures=list(compiled.captures), learnable=[learnable])
+    assert len(calls) == (0 if learnable else 1)

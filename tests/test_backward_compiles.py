@@ -28,11 +28,16 @@ def _mask(kind, dtype):
     return compact_mask(torch.empty(shape, dtype=mask_dtype, device="meta"), B, HQ, S, S)
 
 
-def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows"):
+def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
+            alibi=False):
     q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
     k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
     compact = _mask(mask, dtype)
     mods = compact.mods if mask == "documents" else None
+    if alibi:  # an additive score_mod: the kernels run it (with the documents' mask_mod)
+        mods = compile_mods(hta.variants.alibi(hta.variants.alibi_slopes(HQ)),
+                            hta.variants.document_mask(torch.arange(S) // 70))
+        compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
     plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
                          window is not None, softcap, mods)
     return export_backward_cubins(plan, q, k, compact, arch=arch, window=window or 0)
@@ -50,6 +55,8 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
                                                   mask="additive_heads"), id="sm_90-additive"),
     pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, softcap=None,
                                                     mask="documents"), id="sm_90-mask_mod"),
+    pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
+                                                   alibi=True), id="sm_90-alibi-documents"),
 ] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
                   id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
 

@@ -71,6 +71,25 @@ def test_mask_mods_train_on_the_kernels():
                 mask_mod=hta.variants.sliding_window(40))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_additive_score_mods_train_on_the_kernels(dtype):
+    """ALiBi and a T5-style bias table (no grad) run in the backward kernels: no warning of
+    the reference path, gradients as the definition's."""
+    case = Case(seq_q=300, seq_kv=300, heads_q=8, heads_kv=2)
+    V = hta.variants
+    alibi = V.alibi(V.alibi_slopes(8).cuda())
+    table = torch.randn(600, device="cuda")
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 300]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*reference path on the GPU.*")
+        check_grads(replace(case, causal=True), dtype, score_mod=alibi)
+        check_grads(case, dtype, score_mod=bias, mask_mod=V.document_mask(
+            (torch.arange(300) // 77).cuda()))
+
+
 def test_learnable_score_mod_on_the_gpu():
     case = Case(seq_q=120, seq_kv=120, causal=True)
     table = torch.randn(240, device="cuda").requires_grad_()
