@@ -34,8 +34,8 @@ import cuda.tile as ct
 from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
                             TILE_FULL, TILE_PARTIAL)
-from .tile_rows import mma, table_ranges
-from .visibility import clip_tiles, key_tiles, query_tiles, visible
+from .tile_rows import key_tile_walk, mma, table_ranges
+from .visibility import clip_tiles, query_tiles, visible
 
 
 def _score_mod(score, b, h, q_idx, kv_idx, captures):
@@ -188,17 +188,10 @@ def attention_backward_q(
     seq_kv = K.shape[2]
     row_lo = m_tile * TILE_M
     row_hi = min(row_lo + TILE_M, seq_q) - 1
-    first, end, full_lo, full_hi = key_tiles(row_lo, row_hi, diag_offset, seq_kv, window, TILE_N,
-                                             C[P.CAUSAL], C[P.WINDOWED])
-    mask_b = batch if C[P.MASK_BATCHED] else 0
-    mask_h = head if C[P.MASK_HEADED] else 0
-    mask_m = m_tile if C[P.MASK_ROWS] else 0
-    TABLE = MASK_KIND != NO_MASK
-    table = (0, 0, 0, 0, 0, 0)
-    if TABLE:
-        table = table_ranges(TileRange, mask_b, mask_h, mask_m)
-    first, gap_lo, gap_hi, full_lo, full_hi, end = clip_tiles(first, end, full_lo, full_hi,
-                                                              table, TABLE, 0, 1)
+    (mask_b, mask_h, mask_m), walk = key_tile_walk(TileRange, batch, head, m_tile, row_lo,
+                                                   row_hi, diag_offset, seq_kv, window, 0, 1, C)
+    first, gap_lo, gap_hi, full_lo, full_hi, end = walk
+    TABLE = MASK_KIND != NO_MASK  # (the backward always has its mask's tables)
     q = _load_rows(Q, batch, head, m_tile, TILE_M, TILE_D)
     do = _load_rows(dOut, batch, head, m_tile, TILE_M, TILE_D)
     lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,

@@ -36,8 +36,8 @@ import cuda.tile as ct
 from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
                             TILE_FULL, TILE_PARTIAL)
-from .tile_rows import load_rows, mma, store_lse, store_rows, table_ranges
-from .visibility import clip_tiles, key_tiles, visible
+from .tile_rows import key_tile_walk, load_rows, mma, store_lse, store_rows
+from .visibility import visible
 
 
 def _score_mod(score, b, h, q_idx, kv_idx, captures):
@@ -95,18 +95,11 @@ def _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_s
     seq_kv = K.shape[2]
     row_lo = m_tile * ROWS
     row_hi = min(row_lo + ROWS, seq_q) - 1
-    first, end, full_lo, full_hi = key_tiles(row_lo, row_hi, diag_offset, seq_kv, window, TILE_N,
-                                             C[P.CAUSAL], C[P.WINDOWED])
-
-    mask_b = batch if C[P.MASK_BATCHED] else 0
-    mask_h = head if C[P.MASK_HEADED] else 0
-    mask_m = m_tile if C[P.MASK_ROWS] else 0
+    (mask_b, mask_h, mask_m), walk = key_tile_walk(TileRange, batch, head, m_tile, row_lo,
+                                                   row_hi, diag_offset, seq_kv, window, split,
+                                                   kv_splits, C)
+    first, gap_lo, gap_hi, full_lo, full_hi, end = walk
     TABLE = MASK_KIND != NO_MASK and C[P.MASK_TABLE]
-    table = (0, 0, 0, 0, 0, 0)  # (not read without a table)
-    if TABLE:
-        table = table_ranges(TileRange, mask_b, mask_h, mask_m)
-    first, gap_lo, gap_hi, full_lo, full_hi, end = clip_tiles(first, end, full_lo, full_hi,
-                                                              table, TABLE, split, kv_splits)
 
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
     if G_TILE > 1:  # rows are (position, head) pairs, heads fastest

@@ -10,8 +10,10 @@ past Sq or the group read zeros (LSE: -inf); stores there are dropped.
 
 import cuda.tile as ct
 
-from .kernel_params import (RANGE_END, RANGE_FIRST, RANGE_FULL_HI, RANGE_FULL_LO, RANGE_GAP_HI,
-                            RANGE_GAP_LO)
+from . import kernel_params as P
+from .kernel_params import (NO_MASK, RANGE_END, RANGE_FIRST, RANGE_FULL_HI, RANGE_FULL_LO,
+                            RANGE_GAP_HI, RANGE_GAP_LO)
+from .visibility import clip_tiles, key_tiles
 
 
 def load_rows(Q, batch, head, m_tile, column, ROWS, G_TILE, WIDTH):
@@ -44,6 +46,25 @@ def store_lse(Lse, batch, head, m_tile, lse, ROWS, G_TILE):
     else:
         ct.store(Lse, index=(batch, head, m_tile), tile=lse.reshape((1, 1, ROWS)),
                  allow_tma=False)
+
+
+def key_tile_walk(TileRange, batch, head, m_tile, row_lo, row_hi, diag_offset, seq_kv, window,
+                  split, splits, C):
+    """The key tiles query tile ``m_tile`` (rows ``row_lo .. row_hi``) walks, as the forward
+    and the dQ kernel walk them: ``(mask_b, mask_h, mask_m)``, where the tile reads the mask
+    and its block table, and ``(first, gap_lo, gap_hi, full_lo, full_hi, end)``
+    (visibility.clip_tiles; ``split`` of ``splits`` blocks share the walk)."""
+    first, end, full_lo, full_hi = key_tiles(row_lo, row_hi, diag_offset, seq_kv, window,
+                                             C[P.TILE_N], C[P.CAUSAL], C[P.WINDOWED])
+    mask_b = batch if C[P.MASK_BATCHED] else 0
+    mask_h = head if C[P.MASK_HEADED] else 0
+    mask_m = m_tile if C[P.MASK_ROWS] else 0
+    TABLE = C[P.MASK_KIND] != NO_MASK and C[P.MASK_TABLE]
+    table = (0, 0, 0, 0, 0, 0)  # (not read without a table)
+    if TABLE:
+        table = table_ranges(TileRange, mask_b, mask_h, mask_m)
+    return (mask_b, mask_h, mask_m), clip_tiles(first, end, full_lo, full_hi, table, TABLE,
+                                                split, splits)
 
 
 def table_ranges(TileRange, mask_b, mask_h, row):
