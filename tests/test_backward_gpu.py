@@ -29,8 +29,15 @@ def check_grads(case, dtype, **kwargs):
     assert_grads_match(got, want, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", SEMANTIC_CASES, ids=lambda c: c.name)
+# bf16 over the whole case matrix, fp16 (the same code path, other rounding) over a third of
+# it: each case compiles its own kernel variants, and the suite must fit one device call.
+GRAD_CASES = ([pytest.param(case, torch.bfloat16, id=f"bf16-{case.name}")
+               for case in SEMANTIC_CASES]
+              + [pytest.param(case, torch.float16, id=f"fp16-{case.name}")
+                 for case in SEMANTIC_CASES[::3]])
+
+
+@pytest.mark.parametrize("case, dtype", GRAD_CASES)
 def test_gradients_match_definition(case, dtype):
     check_grads(case, dtype)
 
