@@ -1,8 +1,8 @@
 """The cuTile attention backward kernels (FlashAttention-2's backward, its §3.1.2).
 
-The forward saved each row's LSE; the host computes ``Delta = rowsum(dOut * Out) - dLse`` and
-hands the kernels the LSE in score units with a row that saw no key made +inf
-(reference.backward_rows), so its probabilities recompute as exactly 0. Then, per key tile j and
+The forward saved each row's LSE; a first small kernel (:func:`attention_backward_rows`)
+computes ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with a row that saw
+no key made +inf, so its probabilities recompute as exactly 0. Then, per key tile j and
 query tile i, with ``P = exp(S - lse)`` recomputed from the scores ``S``:
 
     dV_j += P^T dOut_i        dP = dOut_i V_j^T        dS = P * (dP - Delta_i) * dS/dscore
@@ -51,7 +51,7 @@ def _mask_mod(b, h, q_idx, kv_idx, captures):
 
 
 # cuTile's calling convention: arrays and run-time scalars each a parameter, the compile-time
-# constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (reference.backward_rows).
+# constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (attention_backward_rows).
 def attention_backward_kv(
     Q, K, V, dOut, LseB, Delta, dK, dV, Mask, TileState, TileRange, Captures,
     score_scale: float,   # multiplies q.k as in the forward (scale * SCORE_UNIT, or scale/softcap)
@@ -250,6 +250,36 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         ds = _score_grads(p, dp, delta, tanh, C)
         dq = mma(ds.astype(K.dtype), k, dq)
     return dq
+
+
+def attention_backward_rows(
+    Out, dOut, Lse, dLse, Delta, LseB,
+    score_unit: float,    # the LSE's unit in the other two kernels (LOG2E or 1)
+    TILE_M: ct.Constant,  # rows per block
+    TILE_D: ct.Constant,  # the head dim's padded tile
+    WITH_DLSE: ct.Constant,  # a gradient reaches the LSE (dLse is read)
+):
+    """What the other two kernels read per query row (reference.backward_rows is the torch
+    twin): ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with -inf (a row
+    that saw no key) made +inf, so that its recomputed probabilities are exactly 0. Grid:
+    (row tiles, Hq, B); all arrays (B, Hq, Sq[, D])."""
+    m_tile = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    out = _load_rows(Out, batch, head, m_tile, TILE_M, TILE_D).astype(ct.float32)
+    d_out = _load_rows(dOut, batch, head, m_tile, TILE_M, TILE_D).astype(ct.float32)
+    delta = ct.sum(out * d_out, axis=-1)
+    if WITH_DLSE:
+        delta = delta - _load_row_values(dLse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
+    lse = _load_row_values(Lse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
+    lse = ct.where(lse == -math.inf, math.inf, lse * score_unit)
+    ct.store(Delta, index=(batch, head, m_tile), tile=delta.reshape((1, 1, TILE_M)),
+             allow_tma=False)
+    ct.store(LseB, index=(batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)),
+             allow_tma=False)
+
+
+attention_backward_rows_kernel = ct.kernel(attention_backward_rows)
 
 
 def _load_rows(Q, batch, head, tile, TILE_M, TILE_D):

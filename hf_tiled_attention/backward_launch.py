@@ -22,8 +22,10 @@ from .launch import array_constraint, kernel_copy_with_mods
 from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
-from .reference import backward_rows
 from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
+
+# Query rows per block of the rows kernel (backward_kernel.attention_backward_rows).
+ROWS_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,17 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                     lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
                     mask: Optional[CompactMask | ModMask], diag_offset: int, window: int,
                     keep: bool = False):
-    """``(kv arrays + scalars, q arrays + scalars, grids, (dq, dk, dv))`` of one backward;
+    """``(rows kernel arguments, kv arrays + scalars, q arrays + scalars, grids (rows, kv, q),
+    (dq, dk, dv))`` of one backward (``out`` and ``grad_out`` contiguous);
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
-    delta, lse_b = backward_rows(grad_out, out, lse, grad_lse)
-    if plan.score_unit != 1.0:
-        lse_b = lse_b * plan.score_unit
+    batch, heads_q, seq_q, head_dim = query.shape
+    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    lse_b = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    d_lse = lse if grad_lse is None else grad_lse.float().contiguous()  # (not read: no dLse)
+    rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), ROWS_TILE,
+                 head_dim_tile(head_dim), grad_lse is not None)
     dq = torch.empty(query.shape, dtype=query.dtype, device=device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=device)
@@ -145,13 +151,13 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     captures = () if plan.mods is None else plan.mods.kernel_captures()
     scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
                int(window))
-    batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = (query, key, value, grad_out, lse_b, delta, dk, dv) + kv_mask + (captures,) + scalars
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
-    grids = ((math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
+    grids = ((math.ceil(seq_q / ROWS_TILE), heads_q, batch),
+             (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
-    return kv_args, q_args, grids, (dq, dk, dv)
+    return rows_args, kv_args, q_args, grids, (dq, dk, dv)
 
 
 def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -170,23 +176,30 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
                          mask_layout(mask), bool(causal), float(scale), window is not None,
                          softcap, mods, schedule)
-    kv_args, q_args, grids, grads = backward_arrays(plan, grad_out, query, key, value, out, lse,
-                                                    grad_lse, mask, diag_offset, window or 0,
-                                                    keep)
+    rows_args, kv_args, q_args, grids, grads = backward_arrays(
+        plan, grad_out, query, key, value, out.contiguous(), lse, grad_lse, mask, diag_offset,
+        window or 0, keep)
     kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
     stream = torch._C._cuda_getCurrentRawStream(query.device.index)
     with torch.cuda.device(query.device):
-        ct.launch(stream, grids[0], kv_kernel, kv_args + (kv_constants,))
-        ct.launch(stream, grids[1], q_kernel, q_args + (q_constants,))
+        ct.launch(stream, grids[0], rows_kernel(), rows_args)
+        ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
+        ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
     return grads
+
+
+def rows_kernel():
+    from .backward_kernel import attention_backward_rows_kernel
+    return attention_backward_rows_kernel
 
 
 def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,
                            mask: Optional[CompactMask | ModMask] = None, *, arch: str,
-                           diag_offset: int = 0, window: int = 0) -> tuple[bytes, bytes]:
-    """The cubins of the two backward kernels as a launch on these tensors compiles them for
-    ``arch`` (meta tensors are fine), built without a GPU by cuTile's exporter."""
+                           diag_offset: int = 0, window: int = 0) -> tuple[bytes, bytes, bytes]:
+    """The cubins of the three backward kernels (rows, dK/dV, dQ) as a launch on these tensors
+    compiles them for ``arch`` (meta tensors are fine), built without a GPU by cuTile's
+    exporter."""
     import io
 
     import cuda.tile as ct
@@ -195,10 +208,15 @@ def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.T
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
-    kv_args, q_args, _, _ = backward_arrays(plan, out, query, key, key, out, lse, None, mask,
-                                            diag_offset, window)
+    rows_args, kv_args, q_args, _, _ = backward_arrays(plan, out, query, key, key, out, lse,
+                                                       lse, mask, diag_offset, window)
     scalars = [ScalarConstraint(ct.float32)] * 3 + [ScalarConstraint(ct.int32)] * 2
-    cubins = []
+    rows_signature = KernelSignature([array_constraint(a) for a in rows_args[:6]]
+                                     + [ScalarConstraint(ct.float32)] + list(rows_args[7:]),
+                                     CallingConvention.cutile_python_v2())
+    buffer = io.BytesIO()
+    export_kernel(rows_kernel(), [rows_signature], buffer, gpu_code=arch, output_format="cubin")
+    cubins = [buffer.getvalue()]
     for args, kernel, constants in zip((kv_args, q_args), plan.kernels, plan.constant_values):
         arrays, captures = args[:-6], args[-6]
         signature = KernelSignature([array_constraint(a) for a in arrays]
