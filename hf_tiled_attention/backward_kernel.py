@@ -34,7 +34,7 @@ import cuda.tile as ct
 from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
                             TILE_FULL, TILE_PARTIAL)
-from .tile_rows import key_tile_walk, mma, table_ranges
+from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges
 from .visibility import clip_tiles, query_tiles, visible
 
 
@@ -74,8 +74,8 @@ def attention_backward_kv(
     key_hi = min(key_lo + TILE_N, seq_kv) - 1
     first, end, full_lo, full_hi = query_tiles(key_lo, key_hi, seq_q, diag_offset, window,
                                                TILE_M, C[P.CAUSAL], C[P.WINDOWED])
-    k = _load_keys(K, batch, kv_head, n_tile, TILE_N, TILE_D)
-    v = _load_keys(V, batch, kv_head, n_tile, TILE_N, TILE_D)
+    k = load_rows(K, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
+    v = load_rows(V, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
     kv_idx = (key_lo + ct.arange(TILE_N, dtype=ct.int32))[:, None]
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)[None, :]
     # A mask with a row per query has a per-(key tile, query tile) table (transposed); one row
@@ -117,10 +117,8 @@ def attention_backward_kv(
         for i in range(i_full_hi, i_end):
             grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
     dk, dv = grads
-    ct.store(dK, index=(batch, kv_head, n_tile, 0),
-             tile=(dk * grad_scale).reshape((1, 1, TILE_N, TILE_D)).astype(dK.dtype))
-    ct.store(dV, index=(batch, kv_head, n_tile, 0),
-             tile=dv.reshape((1, 1, TILE_N, TILE_D)).astype(dV.dtype))
+    store_rows(dK, batch, kv_head, n_tile, 0, dk * grad_scale, TILE_N, 1, TILE_D)
+    store_rows(dV, batch, kv_head, n_tile, 0, dv, TILE_N, 1, TILE_D)
 
 
 attention_backward_kv_kernel = ct.kernel(attention_backward_kv)
@@ -143,8 +141,8 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
             tile_state = ct.load(TileState, index=(mask_b, mask_h, n_tile, i),
                                  shape=(1, 1, 1, 1)).item()
     if tile_state != TILE_EMPTY:
-        q = _load_rows(Q, batch, head, i, TILE_M, TILE_D)
-        do = _load_rows(dOut, batch, head, i, TILE_M, TILE_D)
+        q = load_rows(Q, batch, head, i, 0, TILE_M, 1, TILE_D)
+        do = load_rows(dOut, batch, head, i, 0, TILE_M, 1, TILE_D)
         lse = _load_row_values(LseB, batch, head, i, TILE_M, ct.PaddingMode.POS_INF)
         delta = _load_row_values(Delta, batch, head, i, TILE_M, ct.PaddingMode.ZERO)
         qk = mma(k, _transposed(Q, q, batch, head, i, TILE_M, TILE_D, C),
@@ -192,8 +190,8 @@ def attention_backward_q(
                                                    row_hi, diag_offset, seq_kv, window, 0, 1, C)
     first, gap_lo, gap_hi, full_lo, full_hi, end = walk
     TABLE = MASK_KIND != NO_MASK  # (the backward always has its mask's tables)
-    q = _load_rows(Q, batch, head, m_tile, TILE_M, TILE_D)
-    do = _load_rows(dOut, batch, head, m_tile, TILE_M, TILE_D)
+    q = load_rows(Q, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
+    do = load_rows(dOut, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
     lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,
                            ct.PaddingMode.POS_INF).reshape((TILE_M, 1))
     delta = _load_row_values(Delta, batch, head, m_tile, TILE_M,
@@ -214,8 +212,7 @@ def attention_backward_q(
         dq = _query_tile_step(j, dq, rows, where, arrays, scalars, False, C)
     for j in range(full_hi, end):
         dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
-    ct.store(dQ, index=(batch, head, m_tile, 0),
-             tile=(dq * grad_scale).reshape((1, 1, TILE_M, TILE_D)).astype(dQ.dtype))
+    store_rows(dQ, batch, head, m_tile, 0, dq * grad_scale, TILE_M, 1, TILE_D)
 
 
 attention_backward_q_kernel = ct.kernel(attention_backward_q)
@@ -234,8 +231,8 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         tile_state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
                              shape=(1, 1, 1, 1)).item()
     if tile_state != TILE_EMPTY:
-        k = _load_keys(K, batch, kv_head, j, TILE_N, TILE_D)
-        v = _load_keys(V, batch, kv_head, j, TILE_N, TILE_D)
+        k = load_rows(K, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
+        v = load_rows(V, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
         qk = mma(q, _transposed(K, k, batch, kv_head, j, TILE_N, TILE_D, C),
                  ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         s, tanh = _scores(qk, scalars, C)
@@ -266,8 +263,8 @@ def attention_backward_rows(
     m_tile = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
-    out = _load_rows(Out, batch, head, m_tile, TILE_M, TILE_D).astype(ct.float32)
-    d_out = _load_rows(dOut, batch, head, m_tile, TILE_M, TILE_D).astype(ct.float32)
+    out = load_rows(Out, batch, head, m_tile, 0, TILE_M, 1, TILE_D).astype(ct.float32)
+    d_out = load_rows(dOut, batch, head, m_tile, 0, TILE_M, 1, TILE_D).astype(ct.float32)
     delta = ct.sum(out * d_out, axis=-1)
     if WITH_DLSE:
         delta = delta - _load_row_values(dLse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
@@ -280,16 +277,6 @@ def attention_backward_rows(
 
 
 attention_backward_rows_kernel = ct.kernel(attention_backward_rows)
-
-
-def _load_rows(Q, batch, head, tile, TILE_M, TILE_D):
-    return ct.load(Q, index=(batch, head, tile, 0), shape=(1, 1, TILE_M, TILE_D),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((TILE_M, TILE_D))
-
-
-def _load_keys(K, batch, kv_head, tile, TILE_N, TILE_D):
-    return ct.load(K, index=(batch, kv_head, tile, 0), shape=(1, 1, TILE_N, TILE_D),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((TILE_N, TILE_D))
 
 
 def _transposed(Array, tile, batch, head, index, ROWS, TILE_D, C):
