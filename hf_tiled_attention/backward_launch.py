@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .kernel_params import ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionConstants
-from .launch import array_constraint, kernel_copy_with_mods
+from .launch import array_constraint, kernel_copy_with_mods, kernel_mask_dtype, placeholders
 from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
@@ -61,8 +61,7 @@ def mask_layout(mask) -> Optional[tuple]:
         return None
     if isinstance(mask, ModMask):
         return (MASK_MOD, None, mask.batched, mask.headed, True)
-    dtype = torch.uint8 if mask.tensor.dtype == torch.bool else mask.tensor.dtype
-    return (mask.kind, dtype, mask.batched, mask.headed, mask.per_row)
+    return (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row)
 
 
 @memoize(1024)
@@ -135,15 +134,12 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     dq = torch.empty(query.shape, dtype=query.dtype, device=device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=device)
-    unused = (torch.empty((1, 1, 1, 1), dtype=torch.uint8, device=device),
-              torch.empty((1, 1, 1, 1), dtype=torch.int8, device=device),
-              torch.empty((1, 1, 1, 1), dtype=torch.int32, device=device))
-    kv_mask = q_mask = unused
+    unused = placeholders(device, 3, keep)
+    kv_mask = q_mask = (unused.mask, unused.states, unused.ranges)
     if mask is not None:
-        tensor = unused[0]
+        tensor = unused.mask
         if isinstance(mask, CompactMask):
-            tensor = mask.tensor.view(torch.uint8) if mask.tensor.dtype == torch.bool \
-                else mask.tensor
+            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor))
         sched = plan.schedule
         kv_mask = (tensor,) + tuple(mask.block_table(sched.kv_queries, sched.kv_keys, keep,
                                                      transposed=True))
@@ -168,11 +164,10 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  schedule: Optional[BackwardSchedule] = None, keep: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from the backward kernels, launched on the current stream (``keep``:
-    see :func:`backward_arrays`)."""
+    see :func:`backward_arrays`). Q, K and V are the forward's, which op.attention gave unit
+    stride along D."""
     import cuda.tile as ct
 
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
                          mask_layout(mask), bool(causal), float(scale), window is not None,
                          softcap, mods, schedule)

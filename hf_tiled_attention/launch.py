@@ -149,7 +149,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     if isinstance(mask, ModMask):
         mask_layout = (MASK_MOD, None, mask.batched, mask.headed, True, True)
     elif mask is not None:
-        mask_layout = (mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
+        mask_layout = (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
                        mask.per_row, bool(mask.headed or mask.per_row or key_mask_table))
     # Split blocks always write their LSE: the merge weighs the slices with it.
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
@@ -257,7 +257,7 @@ def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                           D_CHUNKS=width // chunk, WRITE_LSE=write_lse)
 
 
-def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
+def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
     return torch.uint8 if mask.dtype == torch.bool else mask.dtype
 
 
@@ -354,7 +354,7 @@ class Placeholders(NamedTuple):
     ranges: torch.Tensor
 
 
-def _placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholders:
+def placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholders:
     """Never read, so left uninitialised; reused across calls (allocations are a large part of
     a short call's host time) when the call may keep device memory (memo.py)."""
     if keep:
@@ -472,7 +472,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         out_rows = out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
-    unused = _placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
+    unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
     if lse_rows is None:
         lse_rows = unused.lse
     merge = None
