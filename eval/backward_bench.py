@@ -44,7 +44,7 @@ from hf_tiled_attention.mods import compile_mods  # noqa: E402
 from hf_tiled_attention.reference import (reference_attention,  # noqa: E402
                                           reference_attention_backward)
 from eval.common import DTYPES, ResultsWriter, results_dir, save_figure, timed  # noqa: E402
-from eval.variants_bench import mask_rows, variant_mods  # noqa: E402
+from eval.variants_bench import mask_rows, variant_mods, visible_pairs  # noqa: E402
 
 COLUMNS = ["variant", "backend", "pass", "dtype", "batch", "heads_q", "heads_kv", "seq",
            "head_dim", "causal", "ms", "tflops", "gpu_ms", "gpu_tflops", "max_err", "status",
@@ -143,22 +143,6 @@ def make_call(backend: str, spec: dict, batch: int, heads: int, seq: int, device
                                 enable_gqa=k.shape[1] != q.shape[1])
 
 
-def visible_pairs(spec: dict, batch: int, heads: int, seq: int, device) -> float:
-    """Visible (query, key) pairs of the point, summed over batch rows and heads."""
-    mods = spec["mods"]
-    keys = mods.get("attn_mask")
-    total = 0.0
-    step = max(1, (1 << 24) // seq)
-    for r0 in range(0, seq, step):
-        rows = torch.arange(r0, min(r0 + step, seq), device=device)
-        visible = mask_rows(dict(is_causal=mods.get("is_causal"),
-                                 mask_mod=mods.get("mask_mod")), batch, heads, rows, seq, device)
-        if keys is not None:
-            visible = visible & keys
-        total += visible.sum().item() * batch * heads / (visible.shape[0] * visible.shape[1])
-    return total
-
-
 def reference_grads(spec: dict, q, k, v, d_out) -> tuple:
     """fp32 dQ, dK, dV of batch row 0 and kv head 0's query group, by the reference path."""
     group = q.shape[1] // k.shape[1]
@@ -205,7 +189,7 @@ def run_point(point, args, writer: ResultsWriter) -> None:
         rand(batch, heads_kv, seq, head_dim)
     d_out = torch.randn(q.shape, device=device, dtype=torch_dtype, generator=gen)
     spec = call_spec(variant, batch, heads_q, seq, causal, device)
-    flops = 4.0 * visible_pairs(spec, batch, heads_q, seq, device) * head_dim
+    flops = 4.0 * visible_pairs(spec["mods"], batch, heads_q, seq, device) * head_dim
     want = reference_grads(spec, q.detach(), k.detach(), v.detach(), d_out)
     base = dict(variant=variant, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                 seq=seq, head_dim=head_dim, causal="" if causal is None else int(causal))

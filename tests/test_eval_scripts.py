@@ -352,7 +352,7 @@ def test_backward_bench_counts_padded_pairs():
     lengths = backward_bench.pad_lengths(4, 64)
     assert lengths == [64, 54, 43, 32]
     want = sum(n * (n + 1) / 2 + (64 - n) * n for n in lengths) * 2   # causal, keys < n
-    assert backward_bench.visible_pairs(spec, 4, 2, 64, "cpu") == want
+    assert backward_bench.visible_pairs(spec["mods"], 4, 2, 64, "cpu") == want
 
 
 def test_train_throughput_cpu(tmp_path):
