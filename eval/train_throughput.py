@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -83,7 +84,6 @@ def step(model, optimizer, batch: dict, cuda: bool) -> tuple[float, float, float
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     else:
-        import time
         t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = model(**batch, use_cache=False).loss
