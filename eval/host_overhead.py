@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
         "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
             q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list(),
-            None, []),
+            None, [], False),
         "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
         "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
                                                               scaling=scale),

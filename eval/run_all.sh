@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: install, then run the five evals with their defaults, writing
+# The main job: install, then run the eight evals with their defaults, writing
 # eval/results/<gpu>/. Without a CUDA GPU each script says so and runs small sizes through the
 # CPU reference path. SKIP_INSTALL=1 uses the current Python environment as it is (offline hosts).
 set -euo pipefail
@@ -31,5 +31,8 @@ python eval/perplexity.py --text-file "$texts/alice29.txt" "$texts/lcet10.txt" "
 python eval/prefill_throughput.py || failed+=(prefill_throughput)
 python eval/generate_throughput.py || failed+=(generate_throughput)
 python eval/variants_bench.py || failed+=(variants_bench)
+python eval/backward_bench.py || failed+=(backward_bench)
+python eval/train_throughput.py || failed+=(train_throughput)
+python eval/finetune_parity.py --text-file "$texts/alice29.txt" || failed+=(finetune_parity)
 if [ ${#failed[@]} -gt 0 ]; then echo "run_all: failed: ${failed[*]}" >&2; exit 1; fi
 echo "run_all: all evals done; results in eval/results/"

@@ -74,7 +74,8 @@ VARIANTS = ["builtin-causal", "causal", "alibi", "softcap", "sliding-window", "s
 
 def mask_rows(mods: dict, batch: int, heads: int, rows: torch.Tensor, seq: int,
               device) -> torch.Tensor:
-    """Visibility (B or 1, H or 1, rows, seq) of some query rows."""
+    """Visibility (B or 1, H or 1, rows, seq) of some query rows under ``mods`` (the op's
+    keyword arguments: is_causal, mask_mod, and a bool key mask as attn_mask)."""
     cols = torch.arange(seq, device=device)
     b, h, q_idx, kv_idx = index_grid(batch, (heads,), rows, cols)
     visible = torch.ones(1, 1, len(rows), seq, dtype=torch.bool, device=device)
@@ -82,6 +83,8 @@ def mask_rows(mods: dict, batch: int, heads: int, rows: torch.Tensor, seq: int,
         visible = visible & (kv_idx <= q_idx)
     if mods.get("mask_mod") is not None:
         visible = visible & mods["mask_mod"](b, h, q_idx, kv_idx)
+    if mods.get("attn_mask") is not None:  # a bool key mask (B or 1, 1, 1, seq)
+        visible = visible & mods["attn_mask"]
     return visible
 
 

@@ -34,11 +34,10 @@ import math
 import cuda.tile as ct
 
 from . import kernel_params as P
-from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, RANGE_END,
-                            RANGE_FIRST, RANGE_FULL_HI, RANGE_FULL_LO, RANGE_GAP_HI,
-                            RANGE_GAP_LO, TILE_EMPTY, TILE_FULL, TILE_PARTIAL)
-from .tile_rows import load_rows, store_lse, store_rows
-from .visibility import clip_tiles, key_tiles, visible
+from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
+                            TILE_FULL, TILE_PARTIAL)
+from .tile_rows import key_tile_walk, load_rows, mma, store_lse, store_rows
+from .visibility import visible
 
 
 def _score_mod(score, b, h, q_idx, kv_idx, captures):
@@ -96,18 +95,11 @@ def _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_s
     seq_kv = K.shape[2]
     row_lo = m_tile * ROWS
     row_hi = min(row_lo + ROWS, seq_q) - 1
-    first, end, full_lo, full_hi = key_tiles(row_lo, row_hi, diag_offset, seq_kv, window, TILE_N,
-                                             C[P.CAUSAL], C[P.WINDOWED])
-
-    mask_b = batch if C[P.MASK_BATCHED] else 0
-    mask_h = head if C[P.MASK_HEADED] else 0
-    mask_m = m_tile if C[P.MASK_ROWS] else 0
+    (mask_b, mask_h, mask_m), walk = key_tile_walk(TileRange, batch, head, m_tile, row_lo,
+                                                   row_hi, diag_offset, seq_kv, window, split,
+                                                   kv_splits, C)
+    first, gap_lo, gap_hi, full_lo, full_hi, end = walk
     TABLE = MASK_KIND != NO_MASK and C[P.MASK_TABLE]
-    table = (0, 0, 0, 0, 0, 0)  # (not read without a table)
-    if TABLE:
-        table = _table_ranges(TileRange, mask_b, mask_h, mask_m)
-    first, gap_lo, gap_hi, full_lo, full_hi, end = clip_tiles(first, end, full_lo, full_hi,
-                                                              table, TABLE, split, kv_splits)
 
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)
     if G_TILE > 1:  # rows are (position, head) pairs, heads fastest
@@ -196,13 +188,13 @@ def _attend_tile(j, state, rows, where, arrays, scalars, EDGE, C):
         k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                     order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
                     latency=C[P.K_LATENCY]).reshape((TILE_D, TILE_N))
-        qk = _mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        qk = mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         if TAIL_D != 0:
             k_tail = ct.load(K, index=(batch, kv_head, TILE_D // TAIL_D, j),
                              shape=(1, 1, TAIL_D, TILE_N), order=(0, 1, 3, 2),
                              padding_mode=ct.PaddingMode.ZERO,
                              latency=C[P.K_LATENCY]).reshape((TAIL_D, TILE_N))
-            qk = _mma(q_tail, k_tail, qk)
+            qk = mma(q_tail, k_tail, qk)
         if C[P.SOFTCAP] and C[P.APPROX_TANH]:
             s = ct.tanh(qk * score_scale, rounding_mode=ct.RoundingMode.APPROX) * softcap_out
         elif C[P.SOFTCAP]:
@@ -259,40 +251,11 @@ def _attend_tile(j, state, rows, where, arrays, scalars, EDGE, C):
                     padding_mode=ct.PaddingMode.ZERO,
                     latency=C[P.V_LATENCY]).reshape((TILE_N, TILE_D))
         p = p.astype(v.dtype)
-        acc = _mma(p, v, acc * alpha)
+        acc = mma(p, v, acc * alpha)
         if TAIL_D != 0:
             v_tail = ct.load(V, index=(batch, kv_head, j, TILE_D // TAIL_D),
                              shape=(1, 1, TILE_N, TAIL_D), padding_mode=ct.PaddingMode.ZERO,
                              latency=C[P.V_LATENCY]).reshape((TILE_N, TAIL_D))
-            acc_tail = _mma(p, v_tail, acc_tail * alpha)
+            acc_tail = mma(p, v_tail, acc_tail * alpha)
         m_i = m_new
     return m_i, l_i, acc, acc_tail
-
-
-def _table_ranges(TileRange, mask_b, mask_h, mask_m):
-    """A query tile's key-tile ranges from the block table, in kernel_params.RANGE_* order."""
-    return (_table_range(TileRange, mask_b, mask_h, mask_m, RANGE_FIRST),
-            _table_range(TileRange, mask_b, mask_h, mask_m, RANGE_GAP_LO),
-            _table_range(TileRange, mask_b, mask_h, mask_m, RANGE_GAP_HI),
-            _table_range(TileRange, mask_b, mask_h, mask_m, RANGE_FULL_LO),
-            _table_range(TileRange, mask_b, mask_h, mask_m, RANGE_FULL_HI),
-            _table_range(TileRange, mask_b, mask_h, mask_m, RANGE_END))
-
-
-def _table_range(TileRange, mask_b, mask_h, mask_m, slot):
-    return ct.load(TileRange, index=(mask_b, mask_h, mask_m, slot), shape=(1, 1, 1, 1)).item()
-
-
-def _mma(a, b, acc):
-    """``acc + a @ b`` on the tensor cores. fp32 operands use three TF32 products on a hi/lo
-    split (a_hi b_hi + a_hi b_lo + a_lo b_hi), which keeps fp32-level accuracy (~1e-6 relative)
-    where a single TF32 product would lose about three decimal digits."""
-    if a.dtype == ct.float32:
-        a_hi = a.astype(ct.tfloat32)
-        b_hi = b.astype(ct.tfloat32)
-        a_lo = (a - a_hi.astype(ct.float32)).astype(ct.tfloat32)
-        b_lo = (b - b_hi.astype(ct.float32)).astype(ct.tfloat32)
-        acc = ct.mma(a_lo, b_hi, acc)
-        acc = ct.mma(a_hi, b_lo, acc)
-        return ct.mma(a_hi, b_hi, acc)
-    return ct.mma(a, b, acc)

@@ -65,6 +65,8 @@ class AttentionConstants(NamedTuple):
     HEAVY_FIRST: bool   # causal: launch the longest query tiles first
     K_LATENCY: int      # load latency hints (Schedule.k_latency / v_latency)
     V_LATENCY: int
+    LOAD_TRANSPOSED: bool  # backward: a tile needed as a transposed MMA operand is loaded
+                           # transposed (a second load) instead of ct.transpose'd
 
 
 # C[P.CAUSAL] and friends: each field's index under its own name.

@@ -149,7 +149,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     if isinstance(mask, ModMask):
         mask_layout = (MASK_MOD, None, mask.batched, mask.headed, True, True)
     elif mask is not None:
-        mask_layout = (mask.kind, _kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
+        mask_layout = (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
                        mask.per_row, bool(mask.headed or mask.per_row or key_mask_table))
     # Split blocks always write their LSE: the merge weighs the slices with it.
     variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
@@ -227,7 +227,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
-        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency)
+        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,
@@ -257,7 +257,7 @@ def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                           D_CHUNKS=width // chunk, WRITE_LSE=write_lse)
 
 
-def _kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
+def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
     return torch.uint8 if mask.dtype == torch.bool else mask.dtype
 
 
@@ -287,23 +287,25 @@ def _attention_kernel(mods_module=None):
 
     if mods_module is None:
         return source.attention_forward_kernel
-    return ct.kernel(kernel_copy_with_mods(mods_module))
+    return ct.kernel(kernel_copy_with_mods(mods_module, source.attention_forward))
 
 
-def kernel_copy_with_mods(mods_module) -> types.FunctionType:
-    """A copy of the kernel function whose ``_score_mod`` / ``_mask_mod`` are the generated
-    ones: it and every kernel.py function that reaches a mod (found by walking the calls, so a
-    new helper is covered) are copied with new globals (cuTile resolves a callee through its
-    caller's globals)."""
-    from . import kernel as source
-
-    scope = dict(vars(source))
+def kernel_copy_with_mods(mods_module, entry: Optional[types.FunctionType] = None
+                          ) -> types.FunctionType:
+    """A copy of a kernel function (``entry``: the attention forward unless given) whose
+    ``_score_mod`` / ``_mask_mod`` are the generated ones: it and every function of its module
+    that reaches a mod (found by walking the calls, so a new helper is covered) are copied with
+    new globals (cuTile resolves a callee through its caller's globals)."""
+    if entry is None:
+        from . import kernel as source
+        entry = source.attention_forward
+    scope = dict(entry.__globals__)
     for name in _MOD_NAMES:
         if hasattr(mods_module, name[1:]):
             scope[name] = getattr(mods_module, name[1:])
-    for fn in mod_callers(source.attention_forward):
+    for fn in mod_callers(entry):
         scope[fn.__name__] = _copy_function(fn, scope)
-    return scope[source.attention_forward.__name__]
+    return scope[entry.__name__]
 
 
 def mod_callers(entry: types.FunctionType) -> list:
@@ -352,7 +354,7 @@ class Placeholders(NamedTuple):
     ranges: torch.Tensor
 
 
-def _placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholders:
+def placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholders:
     """Never read, so left uninitialised; reused across calls (allocations are a large part of
     a short call's host time) when the call may keep device memory (memo.py)."""
     if keep:
@@ -470,7 +472,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         out_rows = out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
-    unused = _placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
+    unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
     if lse_rows is None:
         lse_rows = unused.lse
     merge = None
@@ -536,7 +538,7 @@ def _naming_the_mods(plan: LaunchPlan, compiles: Callable, *args, **kwargs):
                        f"{mods.path}): {type(exc).__name__}: {exc}") from exc
 
 
-def _array_constraint(tensor: torch.Tensor):
+def array_constraint(tensor: torch.Tensor):
     """What the JIT assumes at launch time about one array: 16-byte aligned (what torch's
     allocator returns), each stride's and extent's divisibility read from the tensor."""
     import cuda.tile as ct
@@ -571,13 +573,13 @@ def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     # The captures tuple needs the calling convention that has tuple parameters (v2).
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
-    attention = KernelSignature([_array_constraint(a) for a in plain]
-                                + [TupleConstraint([_array_constraint(a) for a in captures])]
+    attention = KernelSignature([array_constraint(a) for a in plain]
+                                + [TupleConstraint([array_constraint(a) for a in captures])]
                                 + scalars + [plan.variant.constant_values],
                                 CallingConvention.cutile_python_v2())
     merge = None
     if arrays.merge is not None:
-        merge = KernelSignature([_array_constraint(a) for a in arrays.merge]
+        merge = KernelSignature([array_constraint(a) for a in arrays.merge]
                                 + [ScalarConstraint(ct.int32)] + list(plan.merge),
                                 CallingConvention.cutile_python_v2())
     return attention, merge

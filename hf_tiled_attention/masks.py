@@ -82,11 +82,14 @@ class CompactMask:
     # of a forward shares (the transformers adapter keeps one) builds each table once.
     state_tables: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def block_table(self, tile_m: int, tile_n: int, keep: bool = True) -> BlockTable:
-        """The :class:`BlockTable` for these tiles, kept for the next call when ``keep`` (the
-        call may keep device memory: memo.may_keep_device_memory)."""
+    def block_table(self, tile_m: int, tile_n: int, keep: bool = True,
+                    transposed: bool = False) -> BlockTable:
+        """The :class:`BlockTable` for these tiles (``transposed``: per key tile), kept for the
+        next call when ``keep`` (the call may keep device memory:
+        memo.may_keep_device_memory)."""
         return _memo_table(self.state_tables, (tile_m, tile_n),
-                           lambda: _with_ranges(tile_states(self, tile_m, tile_n)), keep)
+                           lambda: _with_ranges(tile_states(self, tile_m, tile_n)), keep,
+                           transposed)
 
     @property
     def layout(self) -> tuple:
@@ -196,7 +199,11 @@ def _with_ranges(states: torch.Tensor) -> BlockTable:
     return BlockTable(states, tile_ranges(states))
 
 
-def _memo_table(tables: dict, key, build, keep: bool) -> BlockTable:
+def _memo_table(tables: dict, key, build, keep: bool, transposed: bool = False) -> BlockTable:
+    """The table under ``key`` in ``tables``, or its transpose (kept under its own key)."""
+    if transposed:
+        return _memo_table(tables, key + ("transposed",),
+                           lambda: _memo_table(tables, key, build, keep).transposed(), keep)
     table = tables.get(key)
     if table is None:
         table = build()
@@ -243,9 +250,10 @@ class ModMask:
     def layout(self) -> tuple:
         return (MASK_MOD, self.mods.key, self.batched, self.headed, True)
 
-    def block_table(self, tile_m: int, tile_n: int, keep: bool = True) -> BlockTable:
+    def block_table(self, tile_m: int, tile_n: int, keep: bool = True,
+                    transposed: bool = False) -> BlockTable:
         return _memo_table(self.state_tables, (tile_m, tile_n),
-                           lambda: self._table(tile_m, tile_n), keep)
+                           lambda: self._table(tile_m, tile_n), keep, transposed)
 
     def _table(self, tile_m: int, tile_n: int) -> BlockTable:
         n_m, n_n = -(-self.seq_q // tile_m), -(-self.seq_kv // tile_n)
@@ -276,7 +284,9 @@ def mod_mask(mods: CompiledMods, batch: int, heads: int, seq_q: int, seq_kv: int
              device: torch.device, keep: bool = True) -> ModMask:
     """The :class:`ModMask` of these mods and shape; shared while ``keep`` (the call may keep
     device memory: memo.may_keep_device_memory)."""
-    key = (mods.key, tuple((id(t), t._version) for t in mods.captures), id(mods.mask_mod),
-           batch, heads, seq_q, seq_kv, device)
+    # (Not the mod function: ``mods.mask_mod`` is a fresh twin per access, and the registered
+    # ops rebuild their CompiledMods per call; the generated code and what it reads decide.)
+    key = (mods.key, tuple((id(t), t._version) for t in mods.captures), batch, heads, seq_q,
+           seq_kv, device)
     return _mod_masks.get_or_make(key, lambda: ModMask(mods, batch, heads, seq_q, seq_kv,
                                                        device), keep)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -22,15 +22,11 @@ from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, mod_mask, reused_compact_mask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, compile_mods, mods_from_key, traced_mods
-from .reference import reference_attention
+from .reference import reference_attention, reference_attention_backward
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
                        resolve_schedule)
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
-FORWARD_ONLY = (
-    "hf_tiled_attention is forward-only: no backward pass exists. Use "
-    "torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa') for "
-    "training, or run inference under torch.no_grad() / torch.inference_mode().")
 _NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
 
 
@@ -50,7 +46,7 @@ def tiled_attention(
     mask_mod: Optional[Callable] = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Scaled dot-product attention, forward only, on the cuTile kernel.
+    """Scaled dot-product attention on the cuTile kernels (differentiable: see ``backward``).
 
     Args:
         query: ``(B, Hq, Sq, D)``; may be a strided view (e.g. ``(B, S, H, D)`` transposed).
@@ -169,16 +165,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *(mods.captures if mods else ())))
     if torch.compiler.is_compiling() or needs_grad:
-        # Traced graphs need the registered op (fake impl); so does autograd (its backward
-        # raises the forward-only error). Mods cross as their generated code's key and their
-        # captured tensors.
+        # Traced graphs need the registered op (fake impl); so does autograd (the op's backward
+        # is registered below). Mods cross as their generated code's key and their captured
+        # tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
             query, key, value, None if mask is None else mask.tensor,
             NO_MASK if mask is None else mask.kind, causal, float(scale), window or 0,
             float(softcap or 0.0), int(diag_offset), schedule.as_list(),
-            None if mods is None else mods.key, [] if mods is None else list(mods.captures))
+            None if mods is None else mods.key, [] if mods is None else list(mods.captures),
+            not torch.compiler.is_compiling())
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
@@ -203,15 +201,29 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor,
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[torch.Tensor], mask_kind: int, causal: bool, scale: float,
                   window: int, softcap: float, diag_offset: int, schedule: list[int],
-                  mods_key: Optional[str], captures: list[torch.Tensor],
+                  mods_key: Optional[str], captures: list[torch.Tensor], eager: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    compact = None if mask is None else CompactMask(mask, mask_kind)
+    """``eager``: called from eager code (autograd's route), not from a traced graph; such a
+    call may keep its block tables for the next (memo.may_keep_device_memory). No default
+    value: the dispatcher drops trailing arguments equal to their defaults, and autograd then
+    expects one gradient fewer."""
+    compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
     mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     # Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which
     # every layer of every step would rebuild; the kernel applies it on each visited tile.
     return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
-                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=False,
-                    mods=mods, eager=False)
+                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=eager,
+                    mods=mods, eager=eager)
+
+
+def _op_mask(mask: torch.Tensor, mask_kind: int, query: torch.Tensor, key: torch.Tensor,
+             eager: bool) -> CompactMask:
+    """The registered ops' mask (already compact): in an eager call the one kept per mask
+    tensor, whose block tables the layers and the backward then share."""
+    if eager:
+        return reused_compact_mask(mask, query.shape[0], query.shape[1], query.shape[2],
+                                   key.shape[2])
+    return CompactMask(mask, mask_kind)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -293,21 +305,103 @@ def _sm_count(device: torch.device) -> int:
 
 @_attention_op.register_fake
 def _attention_fake(query, key, value, mask, mask_kind, causal, scale, window, softcap,
-                    diag_offset, schedule, mods_key, captures):
+                    diag_offset, schedule, mods_key, captures, eager):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = query.new_empty(query.shape[:3], dtype=torch.float32)
     return out, lse
 
 
 def _setup_context(ctx, inputs, output):
-    pass
+    (query, key, value, mask, mask_kind, causal, scale, window, softcap, diag_offset, schedule,
+     mods_key, captures, eager) = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, mask, *captures)
+    ctx.options = (mask_kind, causal, scale, window, softcap, diag_offset, mods_key)
+    ctx.eager = eager
+    ctx.learnable = [bool(ctx.needs_input_grad[12]) and c.requires_grad for c in captures]
 
 
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(FORWARD_ONLY)
+    query, key, value, out, lse, mask, *captures = ctx.saved_tensors
+    grads = torch.ops.hf_tiled_attention.attention_backward(
+        grad_out, query, key, value, out, lse, grad_lse, mask, *ctx.options, captures,
+        ctx.learnable, ctx.eager)
+    learned = iter(grads[3:])
+    d_captures = [next(learned) if flag else None for flag in ctx.learnable]
+    return (grads[0], grads[1], grads[2]) + (None,) * 9 + (d_captures, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("hf_tiled_attention::attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           grad_lse: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                           mask_kind: int, causal: bool, scale: float, window: int,
+                           softcap: float, diag_offset: int, mods_key: Optional[str],
+                           captures: list[torch.Tensor], learnable: list[bool],
+                           eager: bool) -> list[torch.Tensor]:
+    """``[dq, dk, dv, *(d capture for each capture flagged learnable)]``."""
+    compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
+    return backward(grad_out.contiguous(), query, key, value, out, lse, grad_lse, compact,
+                    causal=causal, scale=scale, window=window or None,
+                    softcap=softcap or None, diag_offset=diag_offset, mods_key=mods_key,
+                    captures=captures, learnable=learnable,
+                    keep=may_keep_device_memory(eager, query.device))
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, query, key, value, out, lse, grad_lse, mask, mask_kind,
+                             causal, scale, window, softcap, diag_offset, mods_key, captures,
+                             learnable, eager):
+    return ([torch.empty_like(t, memory_format=torch.contiguous_format)
+             for t in (query, key, value)]
+            + [torch.empty_like(c) for c, flag in zip(captures, learnable) if flag])
+
+
+def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+             grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask], *, causal: bool,
+             scale: float, window: Optional[int], softcap: Optional[float], diag_offset: int,
+             mods_key: Optional[str] = None, captures: Sequence[torch.Tensor] = (),
+             learnable: Sequence[bool] = (), keep: bool = False) -> list[torch.Tensor]:
+    """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
+    reference backward elsewhere and for a score_mod the kernels cannot run (one that does more
+    than add terms to its score, or reads a tensor that requires grad: there the derivative
+    is a vector-Jacobian product of its torch twin, which also gives the gradients of the
+    learnable tensors it reads: ``learnable[i]`` flags ``captures[i]``). ``keep``: the block tables made may be
+    kept for later calls (memo.may_keep_device_memory)."""
+    mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
+    if mods is not None and mods.mask_mod is not None:
+        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                        query.device, keep=keep)
+    has_score_mod = mods is not None and mods.score_mod is not None
+    # The kernels run a score_mod whose derivative in the score is 1 and whose tensors need no
+    # gradient; any other goes to the reference path.
+    on_kernels = not has_score_mod or (mods.score_mod_additive and not any(learnable))
+    if on_kernels and query.numel() and kernel_available(query.device):
+        from .backward_launch import run_backward
+        return list(run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
+                                 causal=causal, scale=scale, window=window, softcap=softcap,
+                                 diag_offset=diag_offset, mods=mods, keep=keep))
+    if query.numel() and query.device.type == "cuda" and not on_kernels:
+        _warn_score_mod_backward_once(mods.names)
+    slots = [slot for slot, flag in enumerate(learnable) if flag]
+    dq, dk, dv, d_learnable = reference_attention_backward(
+        grad_out, query, key, value, out, lse, grad_lse, mask, causal=causal, scale=scale,
+        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=slots)
+    return [dq, dk, dv] + [grad.to(captures[slot].dtype)
+                           for grad, slot in zip(d_learnable, slots)]
+
+
+@memoize(64)
+def _warn_score_mod_backward_once(names: str) -> None:
+    warnings.warn(f"hf_tiled_attention: the backward of {names} runs the reference path on the "
+                  "GPU (torch autograd of the mod, chunk by chunk): correct but slower than the "
+                  "kernels, which run only score_mods that add terms to the score and read no "
+                  "tensor that requires grad.",
+                  RuntimeWarning, stacklevel=3)
 
 
 @memoize(64)

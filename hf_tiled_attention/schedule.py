@@ -309,3 +309,75 @@ def _layered(explicit: Optional[Schedule], override: Optional[Schedule],
         if layer is not None:
             schedule = layer.merged_over(schedule)
     return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's tiles
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BackwardSchedule:
+    """How the backward kernels (backward_kernel.py) tile one call.
+
+    Attributes:
+        kv_keys: keys per dK/dV block (its accumulators: kv_keys x D for dK and for dV).
+        kv_queries: query rows per step of the dK/dV block's loop.
+        q_rows: query rows per dQ block (its accumulator: q_rows x D).
+        q_keys: keys per step of the dQ block's loop.
+        kv_warps / q_warps: warps doing the math in a block of each kernel (8: two
+            warpgroups).
+        kv_occupancy / q_occupancy: blocks per SM the compiler plans for.
+        load_transposed: a tile needed as a transposed MMA operand (Q and dOut in the dK/dV
+            kernel, K and V in the dQ kernel) is loaded a second time, transposed, instead of
+            transposed in registers.
+    """
+    kv_keys: int
+    kv_queries: int
+    q_rows: int
+    q_keys: int
+    kv_warps: int = 8
+    q_warps: int = 8
+    kv_occupancy: int = 1
+    q_occupancy: int = 1
+    load_transposed: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("kv_keys", "kv_queries", "q_rows", "q_keys"):
+            if getattr(self, name) not in _POWERS_OF_TWO:
+                raise ValueError(f"BackwardSchedule.{name} must be one of {_POWERS_OF_TWO}, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("kv_warps", "q_warps"):
+            if getattr(self, name) not in (4, 8):
+                raise ValueError(f"BackwardSchedule.{name} must be 4 or 8, got "
+                                 f"{getattr(self, name)!r}")
+        _check_range("kv_occupancy", self.kv_occupancy, 1, 32)
+        _check_range("q_occupancy", self.q_occupancy, 1, 32)
+
+
+# By the padded head dim (the backward pads 80/96/160 to the next power of two); first match.
+# Measured on the H200 (bf16, B=4, 32 query heads; perf-notes step 27): a dK/dV block keeps
+# two fp32 accumulators of its keys x D, and its loop's transposed score tile is keys x
+# queries: at D=128 a 32-row query step beats a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k),
+# the 64-row step spills.
+BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
+    (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,
+                          q_warps=4, kv_occupancy=2, q_occupancy=2),
+     "one warpgroup, two blocks per SM for both kernels: 276 / 268 TF/s (causal / not) at "
+     "D=64, S=4k; 128-key dK/dV blocks lose 10-20%"),
+    (128, BackwardSchedule(kv_keys=128, kv_queries=32, q_rows=128, q_keys=64),
+     "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
+     "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
+     "transposing it costs 5-20%"),
+    (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32),
+     "D=256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, 16 "
+     "heads against 2.44 / 1.46 with 64 x 64 dQ blocks"),
+)
+
+
+def backward_schedule(head_dim: int) -> BackwardSchedule:
+    """The backward's tiles for a head dim (16..256)."""
+    padded = head_dim_tile(head_dim)
+    for limit, schedule, _ in BACKWARD_TABLE:
+        if padded <= limit:
+            return schedule
+    raise LookupError(f"no backward schedule for head dim {head_dim}")

@@ -70,8 +70,9 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout and getattr(module, "training", False):
         raise ValueError(
             f"attn_implementation='tiled' has no attention dropout, but the module is in "
-            f"training mode with dropout={dropout}. Call model.eval(), set the config's "
-            "attention_dropout to 0, or use attn_implementation='sdpa' for training.")
+            f"training mode with dropout={dropout}. To train with 'tiled', set the config's "
+            "attention_dropout to 0.0 (most recent models train without it); for inference "
+            "call model.eval(); to keep attention dropout, use attn_implementation='sdpa'.")
     for name, what, instead in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attn_implementation='tiled' does not support {what}; use "
@@ -82,7 +83,9 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     batch, heads_q, seq_q, _ = query.shape
     seq_kv = key.shape[2]
     is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    # The call's own causal flag (kwargs, else the module's); a TiledMask may replace it.
+    module_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = module_causal
     window, diag_offset, mask, mods, memo = kwargs.get("sliding_window"), seq_kv - seq_q, None, \
         None, None
     if isinstance(attention_mask, TiledMask):
@@ -108,8 +111,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # FlashAttention's varlen rule, which transformers' flash path follows with these
         # kwargs: the documents, the module's causal flag and window. The dense mask (what a
         # traced mask function could not describe otherwise) says the same from position_ids.
-        causal, window, diag_offset, mask = bool(is_causal if is_causal is not None else getattr(
-            module, "is_causal", True)), kwargs.get("sliding_window"), 0, None
+        causal, window, diag_offset, mask = module_causal, kwargs.get("sliding_window"), 0, None
     if documents is not None:
         doc_mods = _remembered(memo, "documents", (documents, mask), lambda: _document_mods(
             documents, mask, attention_mask))
@@ -173,7 +175,7 @@ def _document_mods(ids: torch.Tensor, mask, attention_mask) -> Optional[Compiled
     torch.compile) on this call's ids, the key padding folded into the keys' ids (-2: no
     query's document), intersected with the mask function's overlays (eager) when there are
     any; None with a dense or additive mask (see :func:`_dense_documents`)."""
-    key_ids = torch.where(ids < 0, -2, ids)
+    key_ids = _as_key_ids(ids)
     if mask is not None:
         if mask.dtype != torch.bool or mask.shape[-2] != 1:
             return None
@@ -186,9 +188,15 @@ def _document_mods(ids: torch.Tensor, mask, attention_mask) -> Optional[Compiled
     return compile_mods(None, and_masks(overlay, _same_document_template(query_ids, key_ids)))
 
 
+def _as_key_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Document ids as keys see them: a position in no document (-1) gets -2, which no
+    query's id equals, so nothing attends to it."""
+    return torch.where(ids < 0, -2, ids)
+
+
 def _dense_documents(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A dense (or additive) mask with the other documents hidden as well."""
-    same = (ids[:, :, None] == torch.where(ids < 0, -2, ids)[:, None, :])[:, None]
+    same = (ids[:, :, None] == _as_key_ids(ids)[:, None, :])[:, None]
     if mask.dtype == torch.bool:
         return mask & same
     return mask.masked_fill(~same, float("-inf"))

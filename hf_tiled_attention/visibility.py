@@ -83,6 +83,18 @@ def key_tiles(row_lo, row_hi, diag_offset, seq_kv, window, TILE_N, CAUSAL, WINDO
     return first, end, (lo_all + TILE_N - 1) // TILE_N, hi_all // TILE_N
 
 
+def query_tiles(key_lo, key_hi, seq_q, diag_offset, window, TILE_M, CAUSAL, WINDOWED):
+    """The transpose of :func:`key_tiles`: query tiles of the keys ``key_lo .. key_hi``
+    (all ``< seq_kv``): ``(first, end, full_lo, full_hi)``, the tiles ``[first, end)`` hold
+    every row that sees some of the keys and the tiles ``[full_lo, full_hi)`` only rows that
+    see all of them (callers clip the latter to ``[first, end)``)."""
+    lo_any, hi_any, lo_all, hi_all = query_span(key_lo, key_hi, seq_q, diag_offset, window,
+                                                CAUSAL, WINDOWED)
+    first = lo_any // TILE_M
+    end = max((max(hi_any, 0) + TILE_M - 1) // TILE_M, first)
+    return first, end, (lo_all + TILE_M - 1) // TILE_M, max(hi_all, 0) // TILE_M
+
+
 def clip_tiles(first, end, full_lo, full_hi, table, TABLE, split, splits):
     """A query tile's key-tile ranges as the kernel walks them: ``(first, gap_lo, gap_hi,
     full_lo, full_hi, end)`` with ``first <= gap_lo <= gap_hi <= full_lo <= full_hi <= end``.

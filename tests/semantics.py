@@ -57,9 +57,13 @@ def definition(query, key, value, attn_mask=None, *, is_causal=False, scale=None
         sink_logits = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
         s = torch.cat([s, sink_logits], dim=-1)
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None])
-    return p @ v, lse
+    # A row with no visible key: weights 0 and LSE -inf (written so that its gradients are 0,
+    # not NaN: the backward tests differentiate this definition).
+    empty = (s == -math.inf).all(dim=-1, keepdim=True)
+    safe = s.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(safe, dim=-1, keepdim=True)
+    p = torch.exp(safe - lse).masked_fill(empty, 0.0)
+    return p @ v, lse.masked_fill(empty, -math.inf).squeeze(-1)
 
 
 @dataclass(frozen=True)

@@ -333,3 +333,52 @@ def test_model_sweep_cpu(tmp_path, capsys):
     assert rows["not_a_model"]["status"] == "untested"
     env = json.loads((tmp_path / "environment.json").read_text())["model_sweep"]
     assert env["complete"] is True and env["counts"] == {"match": 1, "refused": 1, "untested": 1}
+
+
+def test_backward_bench_cpu(tmp_path):
+    from eval import backward_bench
+    assert backward_bench.main(["--preset", "standard", "padded", "--cpu-seq", "48",
+                                "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["pass"] for r in rows} == {"fwd", "bwd"}
+    assert {r["variant"] for r in rows} == {"none", "right-padded"}
+    assert all(r["status"] == "ok" and float(r["max_err"]) < 0.05 for r in rows), rows
+    assert (tmp_path / "backward.png").exists()
+
+
+def test_backward_bench_counts_padded_pairs():
+    from eval import backward_bench
+    spec = backward_bench.call_spec("right-padded", 4, 2, 64, True, "cpu")
+    lengths = backward_bench.pad_lengths(4, 64)
+    assert lengths == [64, 54, 43, 32]
+    want = sum(n * (n + 1) / 2 + (64 - n) * n for n in lengths) * 2   # causal, keys < n
+    assert backward_bench.visible_pairs(spec["mods"], 4, 2, 64, "cpu") == want
+
+
+def test_train_throughput_cpu(tmp_path):
+    from eval import train_throughput
+    assert train_throughput.main(["--layers", "1", "--reps", "1", "--batchings", "padded-4k",
+                                  "packed-16k", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "train.csv")
+    assert {(r["backend"], r["batching"]) for r in rows} == {
+        (b, p) for b in ("tiled", "sdpa", "eager") for p in ("padded-4k", "packed-16k")}
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert len(ran) == 5 and all(float(r["tokens_per_s"]) > 0 for r in ran)  # eager: packed
+    tiled = {r["batching"]: float(r["loss_first"]) for r in ran if r["backend"] == "tiled"}
+    sdpa = {r["batching"]: float(r["loss_first"]) for r in ran if r["backend"] == "sdpa"}
+    assert tiled.keys() == sdpa.keys() and all(abs(tiled[k] - sdpa[k]) < 1e-2 for k in tiled)
+
+
+def test_finetune_parity_cpu(tmp_path):
+    from eval import finetune_parity
+    text = tmp_path / "story.txt"
+    text.write_text(STORY * 8)
+    assert finetune_parity.main(["--text-file", str(text), "--steps", "2", "--seq", "64",
+                                 "--out", str(tmp_path)]) == 0
+    summary = read_csv(tmp_path / "finetune_summary.csv")
+    assert [r["status"] for r in summary] == ["PASS", "PASS"]
+    steps = read_csv(tmp_path / "finetune.csv")
+    tiled = [float(r["loss"]) for r in steps if r["backend"] == "tiled"]
+    sdpa = [float(r["loss"]) for r in steps if r["backend"] == "sdpa"]
+    assert len(tiled) == 2 and all(abs(a - b) <= 1e-4 * b for a, b in zip(tiled, sdpa))
+    assert (tmp_path / "finetune.png").exists()

@@ -117,15 +117,18 @@ def _constant_params(fn) -> list:
 
 
 def test_constants_are_declared_once():
-    """The attention kernel takes its constants as one AttentionConstants tuple (its last
-    parameter) and reads every declared field; the merge takes its few by position."""
-    from hf_tiled_attention import kernel
+    """The attention kernels (forward, the two backward ones) take their constants as one
+    AttentionConstants tuple (the last parameter) and every declared field is read by one of
+    them; the merge takes its few by position."""
+    from hf_tiled_attention import backward_kernel, kernel
     from hf_tiled_attention.merge import merge_splits
-    assert _constant_params(kernel.attention_forward) == ["C"]
-    assert list(inspect.signature(kernel.attention_forward).parameters)[-1] == "C"
-    source = inspect.getsource(kernel)
+    for entry in (kernel.attention_forward, backward_kernel.attention_backward_kv,
+                  backward_kernel.attention_backward_q):
+        assert _constant_params(entry) == ["C"]
+        assert list(inspect.signature(entry).parameters)[-1] == "C"
+    source = inspect.getsource(kernel) + inspect.getsource(backward_kernel)
     unread = [name for name in AttentionConstants._fields if f"C[P.{name}]" not in source]
-    assert not unread, f"declared but never read by the kernel: {unread}"
+    assert not unread, f"declared but never read by the kernels: {unread}"
     constants = _constant_params(merge_splits)
     assert tuple(constants) == MergeConstants._fields
     assert list(inspect.signature(merge_splits).parameters)[-len(constants):] == constants
@@ -232,7 +235,7 @@ def test_only_eager_calls_keep_device_memory():
     keys = torch.rand(2, 1, 1, 4096) > 0.2
     with stubbed_launch():
         torch.ops.hf_tiled_attention.attention(q, k, k, keys, 1, True, 0.1, 0, 0.0, 4095,
-                                               Schedule().as_list(), None, [])
+                                               Schedule().as_list(), None, [], False)
         sizes = hta.cache_sizes()
         assert sizes["key-split workspaces"] == sizes["launch placeholders"] == 0
         op.attention(q, k, k, keys, causal=True, scale=0.1, window=None, softcap=None,

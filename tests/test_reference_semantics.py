@@ -111,13 +111,6 @@ def test_warns_once_on_reference_path():
     assert len(messages) == 1
 
 
-def test_backward_raises_clear_error():
-    q = torch.randn(1, 1, 4, 16, requires_grad=True)
-    out = hta.tiled_attention(q, q, q)
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        out.sum().backward()
-
-
 def test_torch_compile_fullgraph():
     def f(q, k, v, mask):
         return hta.tiled_attention(q, k, v, mask, is_causal=True, window=8) * 2

@@ -1,0 +1,305 @@
+"""Training kernels: `tiled`'s forward and backward timed separately, side by side with torch
+SDPA's cuDNN and flash (FlashAttention-2) backends and FlexAttention (`torch.compile`d, the same
+mods, its block mask), in one process.
+
+    python eval/backward_bench.py                      # every preset on the GPU
+    python eval/backward_bench.py --preset standard    # B*S = 16k tokens, S 1k/4k/16k
+    python eval/backward_bench.py --preset variants    # mods and masks against FlexAttention
+
+Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 32/32 at D=64,
+causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
+is timed on the mods), ``padded`` (B=4, S=4k, rows right-padded by 0 to 1/2: `tiled`
+gets a key mask, the SDPA backends the dense mask transformers gives them) and ``variants``
+(B=4 S=4k and B=1 S=16k, 32/8 heads, D=128, bf16: the mods of variants_bench.py;
+``variants-4k``: B=4 S=4k only).
+
+Each pass is timed as in kernel_bench.py (`ms`: one call's median latency from an idle GPU;
+`gpu_ms`: calls queued back to back). The forward runs with grad enabled (it saves what the
+backward needs); the backward is ``torch.autograd.grad`` of its output for a fixed random dOut.
+FLOPs count the visible (query, key) pairs only: the forward 4 * pairs * D, the backward 2.5x
+that (FlashAttention's convention: five matmuls against the forward's two). `max_err`: the
+largest error of dQ, dK or dV against fp32 gradients of the same attention (the package's
+reference path) for the first batch row and the first key/value head's query group, relative
+to that gradient's largest magnitude. Results: eval/results/<gpu>/backward/kernel_sweep.csv,
+environment.json, backward.png. Without a GPU: tiny sizes through the reference path, `tiled`
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hf_tiled_attention as hta  # noqa: E402
+from hf_tiled_attention import variants as V  # noqa: E402
+from hf_tiled_attention.masks import compact_mask, mod_mask  # noqa: E402
+from hf_tiled_attention.mods import compile_mods  # noqa: E402
+from hf_tiled_attention.reference import (reference_attention,  # noqa: E402
+                                          reference_attention_backward)
+from eval.common import DTYPES, ResultsWriter, results_dir, save_figure, timed  # noqa: E402
+from eval.variants_bench import mask_rows, variant_mods, visible_pairs  # noqa: E402
+
+COLUMNS = ["variant", "backend", "pass", "dtype", "batch", "heads_q", "heads_kv", "seq",
+           "head_dim", "causal", "ms", "tflops", "gpu_ms", "gpu_tflops", "max_err", "status",
+           "reason"]
+BACKENDS = ["tiled", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex"]
+TOKENS = 16384
+# Largest gradient error accepted (relative to the gradient's largest magnitude) before a
+# backend's times are recorded: bf16/fp16 rounding of P and dS, with margin.
+MAX_ERR = 5e-2
+
+
+def standard_points():
+    for dtype in ("bf16", "fp16"):
+        for seq in (1024, 4096, 16384):
+            for heads, head_dim in (("32/8", 128), ("32/32", 64)):
+                for causal in (False, True):
+                    yield ("none", dtype, TOKENS // seq, heads, seq, head_dim, causal,
+                           ["tiled", "sdpa_cudnn", "sdpa_flash"])
+
+
+def padded_points():
+    yield ("right-padded", "bf16", 4, "32/8", 4096, 128, True,
+           ["tiled", "sdpa_cudnn", "sdpa_efficient", "flex"])
+
+
+VARIANTS = ["causal", "sliding-window", "documents", "alibi", "softcap", "prefix-lm"]
+
+
+def variant_points(shapes=((4, 4096), (1, 16384))):
+    for variant in VARIANTS:
+        for batch, seq in shapes:
+            yield (variant, "bf16", batch, "32/8", seq, 128, None, ["tiled", "flex"])
+
+
+PRESETS = {"standard": standard_points, "padded": padded_points, "variants": variant_points,
+           "variants-4k": lambda: variant_points(((4, 4096),))}
+
+
+def pad_lengths(batch: int, seq: int) -> list[int]:
+    """Row lengths of a right-padded batch: 0 to 1/2 of each row is padding."""
+    return [seq - (seq * i) // (2 * max(batch - 1, 1)) for i in range(batch)]
+
+
+def call_spec(variant: str, batch: int, heads: int, seq: int, causal, device) -> dict:
+    """What every backend needs for one point: ``mods`` (tiled's keyword arguments, the
+    variants' mods), ``mask_mod`` / ``score_mod`` (flex's), ``dense`` (SDPA's bool mask or
+    None) and ``is_causal``."""
+    if variant == "none":
+        return dict(mods=dict(is_causal=causal), mask_mod=V.causal_mask if causal else None,
+                    score_mod=None, dense=None, is_causal=causal)
+    if variant == "right-padded":
+        lengths = torch.tensor(pad_lengths(batch, seq), device=device)
+        keys = torch.arange(seq, device=device)[None, :] < lengths[:, None]   # (B, S)
+
+        def padded_causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & keys[b, kv_idx]
+        causal_dense = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        return dict(mods=dict(is_causal=True, attn_mask=keys[:, None, None, :]),
+                    mask_mod=padded_causal, score_mod=None,
+                    dense=causal_dense[None, None] & keys[:, None, None, :], is_causal=False)
+    mods = variant_mods(variant, batch, heads, seq, device)
+    flex = dict(mods)
+    if variant == "softcap":  # tiled runs its built-in softcap (the same function, no mod)
+        mods = dict(softcap=30.0, is_causal=True)
+    return dict(mods=mods, mask_mod=flex.get("mask_mod"), score_mod=flex.get("score_mod"),
+                dense=None, is_causal=False)
+
+
+def make_call(backend: str, spec: dict, batch: int, heads: int, seq: int, device):
+    if backend == "tiled":
+        mods = dict(spec["mods"])
+        mask = mods.pop("attn_mask", None)
+        return lambda q, k, v: hta.tiled_attention(q, k, v, mask, **mods)
+    if backend.startswith("sdpa_"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kind = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=spec["dense"],
+                                                      is_causal=spec["is_causal"],
+                                                      enable_gqa=k.shape[1] != q.shape[1])
+        return sdpa
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    torch._dynamo.reset()  # a fresh compile per point (see variants_bench.py)
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if spec["mask_mod"] is not None:
+        probe = mask_rows(dict(mask_mod=spec["mask_mod"]), batch, heads,
+                          torch.arange(min(seq, 2), device=device), min(seq, 2), device)
+        block_mask = create_block_mask(spec["mask_mod"], batch if probe.shape[0] > 1 else None,
+                                       heads if probe.shape[1] > 1 else None, seq, seq,
+                                       device=device)
+    return lambda q, k, v: flex(q, k, v, score_mod=spec["score_mod"], block_mask=block_mask,
+                                enable_gqa=k.shape[1] != q.shape[1])
+
+
+def reference_grads(spec: dict, q, k, v, d_out) -> tuple:
+    """fp32 dQ, dK, dV of batch row 0 and kv head 0's query group, by the reference path."""
+    group = q.shape[1] // k.shape[1]
+    q0, k0, v0, do0 = (t[:1, :n].float() for t, n in ((q, group), (k, 1), (v, 1),
+                                                       (d_out, group)))
+    mods = dict(spec["mods"])
+    mask = mods.pop("attn_mask", None)
+    compiled = None
+    if mods.get("score_mod") is not None or mods.get("mask_mod") is not None:
+        compiled = compile_mods(mods.get("score_mod"), mods.get("mask_mod"))
+    if mask is not None:
+        mask = compact_mask(mask[:1], 1, group, q0.shape[2], k0.shape[2])
+    elif compiled is not None and compiled.mask_mod is not None:
+        mask = mod_mask(compiled, 1, group, q0.shape[2], k0.shape[2], q.device, keep=False)
+    options = dict(causal=bool(mods.get("is_causal")), scale=1.0 / math.sqrt(q.shape[-1]),
+                   window=None, softcap=mods.get("softcap"), diag_offset=0)
+    score_mod = None if compiled is None else compiled.score_mod
+    out, lse = reference_attention(q0, k0, v0, mask, score_mod=score_mod, **options)
+    dq, dk, dv, _ = reference_attention_backward(do0, q0, k0, v0, out, lse, None, mask,
+                                                 mods=compiled, **options)
+    return dq, dk, dv
+
+
+def grad_error(grads: tuple, want: tuple, group: int) -> float:
+    got = (grads[0][:1, :group], grads[1][:1, :1], grads[2][:1, :1])
+    return max(((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
+               for g, w in zip(got, want))
+
+
+def run_point(point, args, writer: ResultsWriter) -> None:
+    variant, dtype, batch, heads, seq, head_dim, causal, backends = point
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # the reference path: tiny sizes, tiled alone
+        batch, seq, backends = 1, min(seq, args.cpu_seq), ["tiled"]
+    heads_q, heads_kv = map(int, heads.split("/"))
+    torch_dtype = DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=torch_dtype,
+                           generator=gen).requires_grad_()
+
+    q, k, v = rand(batch, heads_q, seq, head_dim), rand(batch, heads_kv, seq, head_dim), \
+        rand(batch, heads_kv, seq, head_dim)
+    d_out = torch.randn(q.shape, device=device, dtype=torch_dtype, generator=gen)
+    spec = call_spec(variant, batch, heads_q, seq, causal, device)
+    flops = 4.0 * visible_pairs(spec["mods"], batch, heads_q, seq, device) * head_dim
+    want = reference_grads(spec, q.detach(), k.detach(), v.detach(), d_out)
+    base = dict(variant=variant, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                seq=seq, head_dim=head_dim, causal="" if causal is None else int(causal))
+    for backend in [b for b in backends if b in args.backends]:
+        rows = {p: dict(base, backend=backend, **{"pass": p}) for p in ("fwd", "bwd")}
+        try:
+            call = make_call(backend, spec, batch, heads_q, seq, device)
+            out = call(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+            err = grad_error(grads, want, heads_q // heads_kv)
+        except Exception as exc:  # a backend that cannot run the point says why
+            for row in rows.values():
+                row.update(status="unsupported", reason=f"{type(exc).__name__}: {exc}"[:300])
+                writer.add(row)
+            print(f"  {variant} {backend}: unsupported ({type(exc).__name__})", flush=True)
+            continue
+        for row in rows.values():
+            row["max_err"] = f"{err:.3g}"
+        if not err <= MAX_ERR:
+            for row in rows.values():
+                row.update(status="wrong", reason=f"gradient error {err:.3g} > {MAX_ERR}")
+                writer.add(row)
+            print(f"  {variant} {backend}: WRONG gradients ({err:.3g})", flush=True)
+            continue
+        timed(rows["fwd"], lambda: call(q, k, v), [()], flops, args.warmup, args.reps)
+        timed(rows["bwd"], lambda graph=out: torch.autograd.grad(graph, (q, k, v), d_out,
+                                                                 retain_graph=True),
+              [()], 2.5 * flops, args.warmup, args.reps)
+        for p, row in rows.items():
+            row["status"] = "ok"
+            writer.add(row)
+            print(f"  {variant:14s} {dtype} B{batch} S{seq} {heads} D{head_dim} "
+                  f"causal={base['causal']} {backend:14s} {p}: {row['ms']} ms "
+                  f"{row['tflops']} TF/s (back to back {row.get('gpu_tflops', '-')}) "
+                  f"err {row['max_err']}", flush=True)
+        del out, grads
+
+
+def plot(rows: list[dict], out_dir: Path) -> Path:
+    """Backward TF/s (back to back; useful FLOPs) per point, one bar per backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok" and r["pass"] == "bwd"]
+    field = "gpu_tflops" if any(r.get("gpu_tflops") for r in ok) else "tflops"
+    points = list(dict.fromkeys((r["variant"], r["dtype"], r["batch"], r["heads_q"],
+                                 r["heads_kv"], r["seq"], r["head_dim"], r["causal"])
+                                for r in ok))
+    backends = list(dict.fromkeys(r["backend"] for r in ok))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(points)), 4.5))
+    width = 0.8 / max(len(backends), 1)
+    for i, backend in enumerate(backends):
+        values = {tuple(r[c] for c in ("variant", "dtype", "batch", "heads_q", "heads_kv",
+                                       "seq", "head_dim", "causal")): float(r[field])
+                  for r in ok if r["backend"] == backend}
+        ax.bar([j + i * width for j in range(len(points))],
+               [values.get(p, 0.0) for p in points], width, label=backend)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))])
+    ax.set_xticklabels([f"{p[0]} {p[1]} S{p[5]} {p[3]}/{p[4]} D{p[6]}"
+                        + (" c" if p[7] == "1" else "") for p in points],
+                       rotation=90, fontsize=6)
+    ax.set_ylabel("backward TF/s (useful; 2.5x fwd FLOPs)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, out_dir / "backward.png", dpi=110,
+                       measured_on_gpu=field == "gpu_tflops")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", nargs="+", default=["standard", "padded", "variants"],
+                        choices=list(PRESETS))
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--cpu-seq", type=int, default=96,
+                        help="sequence length of the CPU run (reference path)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw backward.png from the folder's kernel_sweep.csv")
+    args = parser.parse_args(argv)
+    if args.replot:
+        import csv
+        out_dir = args.out or results_dir() / "backward"
+        with open(out_dir / "kernel_sweep.csv") as f:
+            print(f"backward_bench: {plot(list(csv.DictReader(f)), out_dir)}")
+        return 0
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        print("backward_bench: no CUDA GPU; tiny sizes through the reference path (the numbers "
+              "say nothing about speed)")
+        args.warmup, args.reps = 1, 2
+    out_dir = args.out or results_dir() / "backward"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv if argv is None else argv)
+    seen = set()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reference path.*")
+        for preset in args.preset:
+            for point in PRESETS[preset]():
+                if not on_gpu and (point[0], point[1]) in seen:
+                    continue  # on a CPU: one point per variant and dtype
+                seen.add((point[0], point[1]))
+                run_point(point, args, writer)
+    path = writer.finish()
+    print(f"backward_bench: {path}; plot {plot(writer.rows, out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""The cuTile attention backward kernels (FlashAttention-2's backward, its §3.1.2).
+
+The forward saved each row's LSE; a first small kernel (:func:`attention_backward_rows`)
+computes ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with a row that saw
+no key made +inf, so its probabilities recompute as exactly 0. Then, per key tile j and
+query tile i, with ``P = exp(S - lse)`` recomputed from the scores ``S``:
+
+    dV_j += P^T dOut_i        dP = dOut_i V_j^T        dS = P * (dP - Delta_i) * dS/dscore
+    dK_j += dS^T Q_i * scale  dQ_i += dS K_j * scale
+
+Two kernels, neither with atomics, so the gradients are bitwise reproducible run to run:
+
+* :func:`attention_backward_kv`: a block per (key tile, kv head, batch row) holds dK and dV in
+  fp32 and walks every query head of its group and the query tiles that see the key tile
+  (visibility.query_tiles, the transpose of the forward's walk; a mask's transposed block table
+  narrows it). It works on transposed tiles (keys x queries): ``S^T = K Q^T`` and
+  ``dP^T = V dOut^T`` take the loaded Q and dOut as transposed MMA operands, and ``P^T`` and
+  ``dS^T`` are already the left operands of the two accumulating MMAs.
+* :func:`attention_backward_q`: a block per (query tile, query head, batch row) holds dQ and
+  walks the key tiles the forward walked (recomputing S and dP: the price of no atomics).
+
+Both read the constants as the forward does (one ``kernel_params.AttentionConstants`` tuple;
+TILE_M is the query tile, TILE_N the key tile) and hide scores with the forward's rules: the
+visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per mod by the
+launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
+(ALiBi, bias tables: derivative 1) and reads no tensor that needs a gradient; any other
+score_mod's backward runs the reference path (op.backward).
+"""
+
+import math
+
+import cuda.tile as ct
+
+from . import kernel_params as P
+from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
+                            TILE_FULL, TILE_PARTIAL)
+from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges
+from .visibility import clip_tiles, query_tiles, visible
+
+
+def _score_mod(score, b, h, q_idx, kv_idx, captures):
+    """Stand-in for a user's score_mod (replaced per mod by the launcher). Only a score_mod
+    that adds terms to its score runs here (mods.CompiledMods.score_mod_additive): its
+    derivative in the score is 1, so the gradients need nothing more from it."""
+    return score
+
+
+def _mask_mod(b, h, q_idx, kv_idx, captures):
+    """Stand-in for a user's mask_mod (replaced per mod by the launcher)."""
+    return q_idx >= 0
+
+
+# cuTile's calling convention: arrays and run-time scalars each a parameter, the compile-time
+# constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (attention_backward_rows).
+def attention_backward_kv(
+    Q, K, V, dOut, LseB, Delta, dK, dV, Mask, TileState, TileRange, Captures,
+    score_scale: float,   # multiplies q.k as in the forward (scale * SCORE_UNIT, or scale/softcap)
+    softcap_out: float,   # softcap * SCORE_UNIT when SOFTCAP
+    grad_scale: float,    # d(score)/d(q.k) outside softcap's tanh: the scale
+    diag_offset: int,
+    window: int,
+    C: ct.Constant,       # kernel_params.AttentionConstants (G_TILE 1, no TAIL_D)
+):
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    TILE_D = C[P.TILE_D]
+    MASK_KIND = C[P.MASK_KIND]
+    n_tile = ct.bid(0)
+    kv_head = ct.bid(1)
+    batch = ct.bid(2)
+    seq_q = Q.shape[2]
+    seq_kv = K.shape[2]
+    key_lo = n_tile * TILE_N
+    key_hi = min(key_lo + TILE_N, seq_kv) - 1
+    first, end, full_lo, full_hi = query_tiles(key_lo, key_hi, seq_q, diag_offset, window,
+                                               TILE_M, C[P.CAUSAL], C[P.WINDOWED])
+    k = load_rows(K, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
+    v = load_rows(V, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
+    kv_idx = (key_lo + ct.arange(TILE_N, dtype=ct.int32))[:, None]
+    row_in_tile = ct.arange(TILE_M, dtype=ct.int32)[None, :]
+    # A mask with a row per query has a per-(key tile, query tile) table (transposed); one row
+    # for all queries has a single state per key tile.
+    ROW_TABLE = MASK_KIND != NO_MASK and C[P.MASK_ROWS]
+    mask_b = batch if C[P.MASK_BATCHED] else 0
+    grads = (ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32),
+             ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32))
+    for g in range(C[P.GROUP]):
+        head = kv_head * C[P.GROUP] + g
+        mask_h = head if C[P.MASK_HEADED] else 0
+        table = (0, 0, 0, 0, 0, 0)  # (not read without a row table)
+        if ROW_TABLE:
+            table = table_ranges(TileRange, mask_b, mask_h, n_tile)
+        i_first, gap_lo, gap_hi, i_full_lo, i_full_hi, i_end = clip_tiles(
+            first, end, full_lo, full_hi, table, ROW_TABLE, 0, 1)
+        key_state = TILE_FULL
+        if MASK_KIND != NO_MASK and not ROW_TABLE:
+            key_state = ct.load(TileState, index=(mask_b, mask_h, n_tile, 0),
+                                shape=(1, 1, 1, 1)).item()
+            if key_state != TILE_FULL:  # every query tile reads the mask (or none is walked)
+                i_full_lo = i_end
+                i_full_hi = i_end
+            if key_state == TILE_EMPTY:
+                i_first = i_end
+                gap_lo = i_end
+                gap_hi = i_end
+        rows = (k, v, kv_idx, row_in_tile)
+        where = (batch, head, mask_b, mask_h, n_tile, key_state)
+        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures)
+        scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
+        if ROW_TABLE:
+            for i in range(i_first, gap_lo):
+                grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
+        for i in range(gap_hi, i_full_lo):
+            grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
+        for i in range(i_full_lo, i_full_hi):
+            grads = _key_tile_step(i, grads, rows, where, arrays, scalars, False, C)
+        for i in range(i_full_hi, i_end):
+            grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
+    dk, dv = grads
+    store_rows(dK, batch, kv_head, n_tile, 0, dk * grad_scale, TILE_N, 1, TILE_D)
+    store_rows(dV, batch, kv_head, n_tile, 0, dv, TILE_N, 1, TILE_D)
+
+
+attention_backward_kv_kernel = ct.kernel(attention_backward_kv)
+
+
+def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
+    """dK/dV of one key tile from query tile ``i`` of one head, on transposed tiles (keys x
+    queries). ``EDGE``: the tile may be partly hidden (else known full)."""
+    dk, dv = grads
+    k, v, kv_idx, row_in_tile = rows
+    batch, head, mask_b, mask_h, n_tile, key_state = where
+    Q, dOut, LseB, Delta, Mask, TileState, Captures = arrays
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    TILE_D = C[P.TILE_D]
+    tile_state = TILE_FULL
+    if EDGE:
+        tile_state = key_state
+        if C[P.MASK_KIND] != NO_MASK and C[P.MASK_ROWS]:
+            tile_state = ct.load(TileState, index=(mask_b, mask_h, n_tile, i),
+                                 shape=(1, 1, 1, 1)).item()
+    if tile_state != TILE_EMPTY:
+        q = load_rows(Q, batch, head, i, 0, TILE_M, 1, TILE_D)
+        do = load_rows(dOut, batch, head, i, 0, TILE_M, 1, TILE_D)
+        lse = _load_row_values(LseB, batch, head, i, TILE_M, ct.PaddingMode.POS_INF)
+        delta = _load_row_values(Delta, batch, head, i, TILE_M, ct.PaddingMode.ZERO)
+        qk = mma(k, _transposed(Q, q, batch, head, i, TILE_M, TILE_D, C),
+                 ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+        s, tanh = _scores(qk, scalars, C)
+        q_idx = i * TILE_M + row_in_tile
+        if C[P.SCORE_MOD]:  # an additive score_mod: run as in the forward, derivative 1
+            s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
+        s = _hidden(s, q_idx, kv_idx, EDGE, tile_state, (batch, head, mask_b, mask_h, i,
+                                                         n_tile), Mask, Captures, scalars,
+                    True, C)
+        p = _probabilities(s, lse.reshape((1, TILE_M)), C)
+        dv = mma(p.astype(dOut.dtype), do, dv)
+        dp = mma(v, _transposed(dOut, do, batch, head, i, TILE_M, TILE_D, C),
+                 ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+        ds = _score_grads(p, dp, delta.reshape((1, TILE_M)), tanh, C)
+        dk = mma(ds.astype(Q.dtype), q, dk)
+    return dk, dv
+
+
+def attention_backward_q(
+    Q, K, V, dOut, LseB, Delta, dQ, Mask, TileState, TileRange, Captures,
+    score_scale: float,
+    softcap_out: float,
+    grad_scale: float,
+    diag_offset: int,
+    window: int,
+    C: ct.Constant,
+):
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    TILE_D = C[P.TILE_D]
+    MASK_KIND = C[P.MASK_KIND]
+    m_tile = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    if C[P.HEAVY_FIRST]:
+        m_tile = ct.num_blocks(0) - 1 - m_tile
+    kv_head = head // C[P.GROUP]
+    seq_q = Q.shape[2]
+    seq_kv = K.shape[2]
+    row_lo = m_tile * TILE_M
+    row_hi = min(row_lo + TILE_M, seq_q) - 1
+    (mask_b, mask_h, mask_m), walk = key_tile_walk(TileRange, batch, head, m_tile, row_lo,
+                                                   row_hi, diag_offset, seq_kv, window, 0, 1, C)
+    first, gap_lo, gap_hi, full_lo, full_hi, end = walk
+    TABLE = MASK_KIND != NO_MASK  # (the backward always has its mask's tables)
+    q = load_rows(Q, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
+    do = load_rows(dOut, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
+    lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,
+                           ct.PaddingMode.POS_INF).reshape((TILE_M, 1))
+    delta = _load_row_values(Delta, batch, head, m_tile, TILE_M,
+                             ct.PaddingMode.ZERO).reshape((TILE_M, 1))
+    q_idx = (row_lo + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    rows = (q, do, lse, delta, q_idx, col_in_tile)
+    where = (batch, head, kv_head, mask_b, mask_h, mask_m)
+    arrays = (K, V, Mask, TileState, Captures)
+    scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
+    dq = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+    if TABLE:
+        for j in range(first, gap_lo):
+            dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
+    for j in range(gap_hi, full_lo):
+        dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
+    for j in range(full_lo, full_hi):
+        dq = _query_tile_step(j, dq, rows, where, arrays, scalars, False, C)
+    for j in range(full_hi, end):
+        dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
+    store_rows(dQ, batch, head, m_tile, 0, dq * grad_scale, TILE_M, 1, TILE_D)
+
+
+attention_backward_q_kernel = ct.kernel(attention_backward_q)
+
+
+def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
+    """dQ of one query tile from key tile ``j`` (queries x keys, as in the forward)."""
+    q, do, lse, delta, q_idx, col_in_tile = rows
+    batch, head, kv_head, mask_b, mask_h, mask_m = where
+    K, V, Mask, TileState, Captures = arrays
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    TILE_D = C[P.TILE_D]
+    tile_state = TILE_FULL
+    if EDGE and C[P.MASK_KIND] != NO_MASK:
+        tile_state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
+                             shape=(1, 1, 1, 1)).item()
+    if tile_state != TILE_EMPTY:
+        k = load_rows(K, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
+        v = load_rows(V, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
+        qk = mma(q, _transposed(K, k, batch, kv_head, j, TILE_N, TILE_D, C),
+                 ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        s, tanh = _scores(qk, scalars, C)
+        kv_idx = j * TILE_N + col_in_tile
+        if C[P.SCORE_MOD]:
+            s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
+        s = _hidden(s, q_idx, kv_idx, EDGE, tile_state,
+                    (batch, head, mask_b, mask_h, mask_m, j), Mask, Captures, scalars, False, C)
+        p = _probabilities(s, lse, C)
+        dp = mma(do, _transposed(V, v, batch, kv_head, j, TILE_N, TILE_D, C),
+                 ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        ds = _score_grads(p, dp, delta, tanh, C)
+        dq = mma(ds.astype(K.dtype), k, dq)
+    return dq
+
+
+def attention_backward_rows(
+    Out, dOut, Lse, dLse, Delta, LseB,
+    score_unit: float,    # the LSE's unit in the other two kernels (LOG2E or 1)
+    TILE_M: ct.Constant,  # rows per block
+    TILE_D: ct.Constant,  # the head dim's padded tile
+    WITH_DLSE: ct.Constant,  # a gradient reaches the LSE (dLse is read)
+):
+    """What the other two kernels read per query row (reference.backward_rows is the torch
+    twin): ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with -inf (a row
+    that saw no key) made +inf, so that its recomputed probabilities are exactly 0. Grid:
+    (row tiles, Hq, B); all arrays (B, Hq, Sq[, D])."""
+    m_tile = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    out = load_rows(Out, batch, head, m_tile, 0, TILE_M, 1, TILE_D).astype(ct.float32)
+    d_out = load_rows(dOut, batch, head, m_tile, 0, TILE_M, 1, TILE_D).astype(ct.float32)
+    delta = ct.sum(out * d_out, axis=-1)
+    if WITH_DLSE:
+        delta = delta - _load_row_values(dLse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
+    lse = _load_row_values(Lse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
+    lse = ct.where(lse == -math.inf, math.inf, lse * score_unit)
+    ct.store(Delta, index=(batch, head, m_tile), tile=delta.reshape((1, 1, TILE_M)),
+             allow_tma=False)
+    ct.store(LseB, index=(batch, head, m_tile), tile=lse.reshape((1, 1, TILE_M)),
+             allow_tma=False)
+
+
+attention_backward_rows_kernel = ct.kernel(attention_backward_rows)
+
+
+def _transposed(Array, tile, batch, head, index, ROWS, TILE_D, C):
+    """``tile`` (rows ``index`` of ``Array``) as the (TILE_D, ROWS) operand of an MMA: loaded
+    again in transposed order (C[LOAD_TRANSPOSED]) or transposed in registers."""
+    if C[P.LOAD_TRANSPOSED]:
+        return ct.load(Array, index=(batch, head, 0, index), shape=(1, 1, TILE_D, ROWS),
+                       order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO
+                       ).reshape((TILE_D, ROWS))
+    return ct.transpose(tile)
+
+
+def _load_row_values(Values, batch, head, tile, TILE_M, padding):
+    """A (TILE_M,) slice of a (B, Hq, Sq) fp32 array; rows past Sq read ``padding`` (the LSE
+    +inf, so their recomputed probabilities are 0)."""
+    return ct.load(Values, index=(batch, head, tile), shape=(1, 1, TILE_M), padding_mode=padding,
+                   allow_tma=False).reshape((TILE_M,))
+
+
+def _scores(qk, scalars, C):
+    """The forward's scores of raw ``q.k`` (in score units), and softcap's tanh (for its
+    derivative; else the scores again, unused)."""
+    seq_kv, diag_offset, window, score_scale, softcap_out = scalars
+    if C[P.SOFTCAP] and C[P.APPROX_TANH]:
+        tanh = ct.tanh(qk * score_scale, rounding_mode=ct.RoundingMode.APPROX)
+        return tanh * softcap_out, tanh
+    if C[P.SOFTCAP]:
+        tanh = ct.tanh(qk * score_scale)
+        return tanh * softcap_out, tanh
+    s = qk * score_scale
+    return s, s
+
+
+def _hidden(s, q_idx, kv_idx, EDGE, tile_state, where, Mask, Captures, scalars, TRANSPOSED, C):
+    """``s`` with the scores the forward hid set to -inf: the visibility rule on an edge tile,
+    the mask on a partial one. ``q_idx`` / ``kv_idx`` broadcast to the tile's shape; with
+    ``TRANSPOSED`` the tile is keys x queries."""
+    batch, head, mask_b, mask_h, mask_m, n_tile = where
+    seq_kv, diag_offset, window, score_scale, softcap_out = scalars
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    MASK_KIND = C[P.MASK_KIND]
+    SHAPE = (TILE_N, TILE_M) if TRANSPOSED else (TILE_M, TILE_N)
+    if EDGE:
+        seen = ct.full(SHAPE, True, dtype=ct.bool_) & visible(
+            q_idx + diag_offset, kv_idx, seq_kv, window, C[P.CAUSAL], C[P.WINDOWED])
+        s = ct.where(seen, s, -math.inf)
+    if tile_state == TILE_PARTIAL and MASK_KIND == MASK_MOD:
+        seen = ct.full(SHAPE, True, dtype=ct.bool_) & _mask_mod(batch, head, q_idx, kv_idx,
+                                                                Captures)
+        s = ct.where(seen, s, -math.inf)
+    elif tile_state == TILE_PARTIAL:
+        MASK_TILE_M = TILE_M if C[P.MASK_ROWS] else 1
+        mask = ct.load(Mask, index=(mask_b, mask_h, mask_m if C[P.MASK_ROWS] else 0, n_tile),
+                       shape=(1, 1, MASK_TILE_M, TILE_N),
+                       padding_mode=ct.PaddingMode.ZERO).reshape((MASK_TILE_M, TILE_N))
+        if TRANSPOSED:
+            mask = ct.transpose(mask)
+        if MASK_KIND == BOOL_MASK:
+            s = ct.where(mask != 0, s, -math.inf)
+        elif MASK_KIND == ADDITIVE_MASK:
+            bias = mask.astype(ct.float32)
+            s = ct.where(bias == -math.inf, -math.inf, s + bias)
+    return s
+
+
+def _probabilities(s, lse, C):
+    """``exp(S - lse)``: the forward's softmax weights, recomputed (``lse`` in score units)."""
+    if C[P.SCORE_UNIT] == 1.0:
+        return ct.exp2((s - lse) * LOG2E, flush_to_zero=True)
+    return ct.exp2(s - lse, flush_to_zero=True)
+
+
+def _score_grads(p, dp, delta, tanh, C):
+    """dLoss/d(q.k) up to the scale: ``P * (dP - Delta)``, times softcap's tanh derivative."""
+    ds = p * (dp - delta)
+    if C[P.SOFTCAP]:
+        ds = ds * (1.0 - tanh * tanh)
+    return ds

@@ -1,0 +1,224 @@
+"""Host side of the backward kernels (backward_kernel.py): from the op's saved tensors to the
+two launches.
+
+:func:`backward_plan` (memoised on shapes-free properties) turns a call into the two kernels'
+constants, as :class:`~hf_tiled_attention.kernel_params.AttentionConstants` tuples (the
+forward's declaration: TILE_M the query tile, TILE_N the key tile), and the score scalars;
+:func:`backward_arrays` builds what each launch passes (it works on meta tensors too, which is
+how the CPU tests compile every backward variant); :func:`run_backward` launches them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .kernel_params import ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionConstants
+from .launch import array_constraint, kernel_copy_with_mods, kernel_mask_dtype, placeholders
+from .masks import CompactMask, ModMask
+from .memo import memoize
+from .mods import CompiledMods
+from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
+
+# Query rows per block of the rows kernel (backward_kernel.attention_backward_rows).
+ROWS_TILE = 64
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    kv: AttentionConstants      # the dK/dV kernel's constants
+    q: AttentionConstants       # the dQ kernel's
+    schedule: BackwardSchedule
+    score_scale: float
+    softcap_out: float
+    grad_scale: float
+    mods: Optional[CompiledMods]
+
+    @property
+    def score_unit(self) -> float:
+        return self.kv.SCORE_UNIT
+
+    @functools.cached_property
+    def kernels(self) -> tuple:
+        """(dK/dV kernel, dQ kernel) with this plan's compiler hints and mods."""
+        s = self.schedule
+        return backward_kernels((s.kv_occupancy, s.kv_warps), (s.q_occupancy, s.q_warps),
+                                None if self.mods is None else self.mods.module)
+
+    @functools.cached_property
+    def constant_values(self) -> tuple[tuple, tuple]:
+        """The constants as plain tuples (cuTile's launch takes no NamedTuple)."""
+        return tuple(self.kv), tuple(self.q)
+
+
+def mask_layout(mask) -> Optional[tuple]:
+    """(kind, dtype as the kernel reads it, batched, headed, per row) of a call's mask."""
+    if mask is None:
+        return None
+    if isinstance(mask, ModMask):
+        return (MASK_MOD, None, mask.batched, mask.headed, True)
+    return (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row)
+
+
+@memoize(1024)
+def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optional[tuple],
+                  causal: bool, scale: float, windowed: bool, softcap: Optional[float],
+                  mods: Optional[CompiledMods] = None,
+                  schedule: Optional[BackwardSchedule] = None) -> BackwardPlan:
+    """The plan of every call with these properties (the forward's scalars and constants)."""
+    schedule = schedule or backward_schedule(head_dim)
+    kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
+    has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
+    # Additive masks may hold huge finite values, and a score_mod sees natural-unit scores:
+    # natural units, as in the forward.
+    unit = 1.0 if kind == ADDITIVE_MASK or has_score_mod else LOG2E
+    if softcap is not None:
+        score_scale, softcap_out = scale / softcap, softcap * unit
+    else:
+        score_scale, softcap_out = scale * unit, 0.0
+
+    def constants(tile_m: int, tile_n: int) -> AttentionConstants:
+        return AttentionConstants(
+            GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=head_dim_tile(head_dim),
+            TAIL_D=0, CAUSAL=bool(causal), WINDOWED=bool(windowed),
+            SOFTCAP=softcap is not None,
+            APPROX_TANH=softcap is not None and dtype != torch.float32,
+            SCORE_MOD=has_score_mod,
+            MASK_KIND=kind, MASK_BATCHED=batched, MASK_HEADED=headed, MASK_ROWS=per_row,
+            MASK_TABLE=kind != NO_MASK, SCORE_UNIT=unit, FOLD_SCALE=False, WRITE_LSE=False,
+            HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,
+            LOAD_TRANSPOSED=schedule.load_transposed)
+
+    return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys),
+                        constants(schedule.q_rows, schedule.q_keys), schedule,
+                        float(score_scale), float(softcap_out), float(scale), mods)
+
+
+@memoize(64)
+def backward_kernels(kv_hints: tuple, q_hints: tuple, mods_module=None) -> tuple:
+    """(dK/dV kernel, dQ kernel), each with its (occupancy, worker warps), and with a mods
+    module their copies that call its mask_mod."""
+    import cuda.tile as ct
+
+    from . import backward_kernel as source
+
+    if mods_module is None:
+        kernels = (source.attention_backward_kv_kernel, source.attention_backward_q_kernel)
+    else:
+        kernels = tuple(ct.kernel(kernel_copy_with_mods(mods_module, entry)) for entry in
+                        (source.attention_backward_kv, source.attention_backward_q))
+    return tuple(kernel.replace_hints(occupancy=occupancy, num_worker_warps=warps)
+                 for kernel, (occupancy, warps) in zip(kernels, (kv_hints, q_hints)))
+
+
+def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                    mask: Optional[CompactMask | ModMask], diag_offset: int, window: int,
+                    keep: bool = False):
+    """``(rows kernel arguments, kv arrays + scalars, q arrays + scalars, grids (rows, kv, q),
+    (dq, dk, dv))`` of one backward (``out`` and ``grad_out`` contiguous);
+    ``keep``: the mask's block tables may be kept for later calls (its forward table for the
+    dQ kernel is the forward's when the tiles agree)."""
+    device = query.device
+    batch, heads_q, seq_q, head_dim = query.shape
+    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    lse_b = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    d_lse = lse if grad_lse is None else grad_lse.float().contiguous()  # (not read: no dLse)
+    rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), ROWS_TILE,
+                 head_dim_tile(head_dim), grad_lse is not None)
+    dq = torch.empty(query.shape, dtype=query.dtype, device=device)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=device)
+    unused = placeholders(device, 3, keep)
+    kv_mask = q_mask = (unused.mask, unused.states, unused.ranges)
+    if mask is not None:
+        tensor = unused.mask
+        if isinstance(mask, CompactMask):
+            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor))
+        sched = plan.schedule
+        kv_mask = (tensor,) + tuple(mask.block_table(sched.kv_queries, sched.kv_keys, keep,
+                                                     transposed=True))
+        q_mask = (tensor,) + tuple(mask.block_table(sched.q_rows, sched.q_keys, keep))
+    captures = () if plan.mods is None else plan.mods.kernel_captures()
+    scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
+               int(window))
+    heads_kv, seq_kv = key.shape[1], key.shape[2]
+    kv_args = (query, key, value, grad_out, lse_b, delta, dk, dv) + kv_mask + (captures,) + scalars
+    q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
+    grids = ((math.ceil(seq_q / ROWS_TILE), heads_q, batch),
+             (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
+             (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
+    return rows_args, kv_args, q_args, grids, (dq, dk, dv)
+
+
+def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask | ModMask], *,
+                 causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
+                 diag_offset: int, mods: Optional[CompiledMods] = None,
+                 schedule: Optional[BackwardSchedule] = None, keep: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the backward kernels, launched on the current stream (``keep``:
+    see :func:`backward_arrays`). Q, K and V are the forward's, which op.attention gave unit
+    stride along D."""
+    import cuda.tile as ct
+
+    plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
+                         mask_layout(mask), bool(causal), float(scale), window is not None,
+                         softcap, mods, schedule)
+    rows_args, kv_args, q_args, grids, grads = backward_arrays(
+        plan, grad_out, query, key, value, out.contiguous(), lse, grad_lse, mask, diag_offset,
+        window or 0, keep)
+    kv_kernel, q_kernel = plan.kernels
+    kv_constants, q_constants = plan.constant_values
+    stream = torch._C._cuda_getCurrentRawStream(query.device.index)
+    with torch.cuda.device(query.device):
+        ct.launch(stream, grids[0], rows_kernel(), rows_args)
+        ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
+        ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
+    return grads
+
+
+def rows_kernel():
+    from .backward_kernel import attention_backward_rows_kernel
+    return attention_backward_rows_kernel
+
+
+def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,
+                           mask: Optional[CompactMask | ModMask] = None, *, arch: str,
+                           diag_offset: int = 0, window: int = 0) -> tuple[bytes, bytes, bytes]:
+    """The cubins of the three backward kernels (rows, dK/dV, dQ) as a launch on these tensors
+    compiles them for ``arch`` (meta tensors are fine), built without a GPU by cuTile's
+    exporter."""
+    import io
+
+    import cuda.tile as ct
+    from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
+                                       TupleConstraint, export_kernel)
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
+    rows_args, kv_args, q_args, _, _ = backward_arrays(plan, out, query, key, key, out, lse,
+                                                       lse, mask, diag_offset, window)
+    scalars = [ScalarConstraint(ct.float32)] * 3 + [ScalarConstraint(ct.int32)] * 2
+    rows_signature = KernelSignature([array_constraint(a) for a in rows_args[:6]]
+                                     + [ScalarConstraint(ct.float32)] + list(rows_args[7:]),
+                                     CallingConvention.cutile_python_v2())
+    buffer = io.BytesIO()
+    export_kernel(rows_kernel(), [rows_signature], buffer, gpu_code=arch, output_format="cubin")
+    cubins = [buffer.getvalue()]
+    for args, kernel, constants in zip((kv_args, q_args), plan.kernels, plan.constant_values):
+        arrays, captures = args[:-6], args[-6]
+        signature = KernelSignature([array_constraint(a) for a in arrays]
+                                    + [TupleConstraint([array_constraint(a) for a in captures])]
+                                    + scalars + [constants],
+                                    CallingConvention.cutile_python_v2())
+        buffer = io.BytesIO()
+        export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
+        cubins.append(buffer.getvalue())
+    return tuple(cubins)

@@ -1,0 +1,187 @@
+"""The backward pass on the CPU (the reference path, what CI runs): gradients against fp64
+autograd of the definition over the shared case matrix, mods with learnable captured tensors,
+sinks, torch.compile of a training step, and the backward kernels compiled to cubin."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from gradients import assert_grads_match, empty_rows_have_zero_grads, op_and_definition_grads
+from semantics import SEMANTIC_CASES, Case
+
+
+@pytest.fixture(autouse=True)
+def _quiet_reference_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reference path.*")
+        yield
+
+
+@pytest.mark.parametrize("case", SEMANTIC_CASES, ids=lambda c: c.name)
+def test_gradients_match_definition(case):
+    got, want = op_and_definition_grads(case, "cpu", torch.float32)
+    assert_grads_match(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gradients_in_16_bit(dtype):
+    case = Case(causal=True, window=40, softcap=4.0, mask="bool_keypad")
+    got, want = op_and_definition_grads(case, "cpu", dtype)
+    assert got["q"].dtype == dtype
+    assert_grads_match(got, want, dtype)
+
+
+@pytest.mark.parametrize("case", [Case(seq_q=150, seq_kv=70, causal=True),
+                                  Case(mask="bool_empty_rows", causal=True)],
+                         ids=lambda c: c.name)
+def test_rows_without_keys_get_zero_gradients(case):
+    empty_rows_have_zero_grads(case, "cpu", torch.float32)
+
+
+def test_learnable_bias_table_and_alibi_slopes_get_gradients():
+    case = Case(seq_q=70, seq_kv=90, causal=True, heads_q=4, heads_kv=2)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(case.seq_q + case.seq_kv, generator=g).requires_grad_()
+    slopes = (torch.rand(case.heads_q, generator=g) * 0.2).requires_grad_()
+    offset = case.seq_kv
+
+    def bias_and_alibi(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + offset] - slopes[h] * (q_idx - kv_idx)
+
+    got, want = op_and_definition_grads(case, "cpu", torch.float32, score_mod=bias_and_alibi,
+                                        learnable=(table, slopes))
+    assert want["learnable0"].abs().max() > 0 and want["learnable1"].abs().max() > 0
+    assert_grads_match(got, want, torch.float32)
+
+
+def test_mask_mod_documents_and_variants():
+    case = Case(seq_q=100, seq_kv=100)
+    ids = torch.arange(100) // 23
+    got, want = op_and_definition_grads(
+        case, "cpu", torch.float32, mask_mod=hta.variants.document_mask(ids),
+        score_mod=hta.variants.alibi(hta.variants.alibi_slopes(case.heads_q)))
+    assert_grads_match(got, want, torch.float32)
+
+
+def test_compiled_training_step_with_mods_does_not_recompile():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(64, generator=g).requires_grad_()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[torch.abs(q_idx - kv_idx) % 64]
+
+    causal = hta.variants.causal_mask
+    weights = torch.randn(32, 32, generator=g).requires_grad_()
+
+    def step(x):
+        q = (x @ weights).view(1, 2, -1, 16)
+        out = hta.tiled_attention(q, q[:, :1], q[:, :1], score_mod=bias, mask_mod=causal)
+        return out.square().mean()
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    for seed in range(3):
+        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(seed))
+        for p in (table, weights):
+            p.grad = None
+        compiled(x).backward()
+        got = (table.grad.clone(), weights.grad.clone())
+        table.grad = weights.grad = None
+        step(x).backward()
+        assert torch.allclose(got[0], table.grad, atol=1e-6)
+        assert torch.allclose(got[1], weights.grad, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_gradients_are_bitwise_reproducible():
+    case = Case(causal=True, mask="bool_keypad")
+    first, _ = op_and_definition_grads(case, "cpu", torch.float32)
+    second, _ = op_and_definition_grads(case, "cpu", torch.float32)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_backward_through_return_lse_only():
+    q = torch.randn(1, 2, 10, 16, requires_grad=True)
+    _, lse = hta.tiled_attention(q, q, q, is_causal=True, return_lse=True)
+    lse.sum().backward()
+    exact = q.detach().double().requires_grad_()
+    s = (exact @ exact.transpose(-1, -2)) / 4.0
+    s = s.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), -math.inf)
+    torch.logsumexp(s, -1).sum().backward()
+    assert torch.allclose(q.grad.double(), exact.grad, atol=1e-5)
+
+
+def test_mask_mod_tables_are_built_once_across_op_calls(monkeypatch):
+    """The registered ops rebuild their CompiledMods per call; a mask_mod's block tables must
+    still be built once per mod and shape (eager calls keep them: forward, then backward)."""
+    from hf_tiled_attention import masks
+    from hf_tiled_attention.mods import compile_mods, mods_from_key
+
+    built = []
+    original = masks.ModMask._table
+    monkeypatch.setattr(masks.ModMask, "_table",
+                        lambda self, *args: built.append(args) or original(self, *args))
+    compiled = compile_mods(None, hta.variants.causal_mask)
+    for _ in range(3):
+        mask = masks.mod_mask(mods_from_key(compiled.key, compiled.captures), 1, 2, 300, 300,
+                              torch.device("cpu"), keep=True)
+        mask.block_table(64, 64, keep=True)
+        mask.block_table(64, 64, keep=True, transposed=True)
+    assert built == [(64, 64)]
+
+
+@pytest.mark.parametrize("name, additive", [
+    ("alibi", True), ("t5", True), ("bias_minus", True), ("softcap", False), ("scaled", False),
+    ("where", False)])
+def test_which_score_mods_add_to_the_score(name, additive):
+    """The backward kernels run a score_mod only when its derivative in the score is 1."""
+    from hf_tiled_attention.mods import compile_mods
+    V = hta.variants
+    bias = torch.randn(64)
+
+    def bias_minus(score, b, h, q, kv):
+        doubled = bias[q] * 2
+        return doubled + score - bias[kv]
+
+    def scaled(score, b, h, q, kv):
+        return score * 2
+
+    def where(score, b, h, q, kv):
+        return torch.where(q >= kv, score, score + 1)
+
+    mods = {
+        "alibi": V.alibi(V.alibi_slopes(4)),
+        "t5": V.relative_position_bias(torch.randn(32, 4), V.relative_position_buckets(16, 16),
+                                       16),
+        "bias_minus": bias_minus, "softcap": V.softcap(3.0), "scaled": scaled, "where": where,
+    }
+    assert compile_mods(mods[name], None).score_mod_additive is additive
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_additive_score_mod_backward_takes_the_kernels(monkeypatch, learnable):
+    """With a GPU: an ALiBi score_mod's backward runs on the kernels; with slopes that require
+    grad it runs the reference path (which gives their gradient). Launches stubbed."""
+    from hf_tiled_attention import backward_launch, op
+
+    calls = []
+
+    def stub(grad_out, query, key, value, *args, **kwargs):
+        calls.append(kwargs["mods"].names)
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    monkeypatch.setattr(op, "kernel_available", lambda device: True)
+    monkeypatch.setattr(backward_launch, "run_backward", stub)
+    slopes = hta.variants.alibi_slopes(4)
+    q = torch.randn(1, 4, 32, 16)
+    k = torch.randn(1, 2, 32, 16)
+    out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
+                                      softcap=None, diag_offset=0)
+    compiled = hta.mods.compile_mods(hta.variants.alibi(slopes), None)
+    op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
+                window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
+                captures=list(compiled.captures), learnable=[learnable])
+    assert len(calls) == (0 if learnable else 1)

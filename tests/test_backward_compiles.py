@@ -1,0 +1,67 @@
+"""CPU: the backward kernels (rows, dK/dV, dQ) compile to cubin (cuTile's exporter, no GPU), for the variants the
+op can launch: every head-dim tile with causal + window + softcap + a per-row mask on sm_90,
+each mask kind, fp16 and fp32, a mask_mod's kernel copies, and the other archs once."""
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins, mask_layout
+from hf_tiled_attention.masks import compact_mask, mod_mask
+from hf_tiled_attention.mods import compile_mods
+
+pytest.importorskip("cuda.tile.compilation")
+
+B, HQ, HKV, S = 2, 8, 2, 300
+
+
+def _mask(kind, dtype):
+    shapes = {"bool_rows": ((B, 1, S, S), torch.bool), "bool_keypad": ((B, 1, 1, S), torch.bool),
+              "additive_heads": ((1, HQ, S, S), dtype)}
+    if kind is None:
+        return None
+    if kind == "documents":
+        ids = torch.arange(S) // 70
+        return mod_mask(compile_mods(None, hta.variants.document_mask(ids)), B, HQ, S, S,
+                        torch.device("cpu"))
+    shape, mask_dtype = shapes[kind]
+    return compact_mask(torch.empty(shape, dtype=mask_dtype, device="meta"), B, HQ, S, S)
+
+
+def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
+            alibi=False):
+    q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
+    compact = _mask(mask, dtype)
+    mods = compact.mods if mask == "documents" else None
+    if alibi:  # an additive score_mod: the kernels run it (with the documents' mask_mod)
+        mods = compile_mods(hta.variants.alibi(hta.variants.alibi_slopes(HQ)),
+                            hta.variants.document_mask(torch.arange(S) // 70))
+        compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
+    plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
+                         window is not None, softcap, mods)
+    return export_backward_cubins(plan, q, k, compact, arch=arch, window=window or 0)
+
+
+CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
+         for d in (16, 32, 64, 128, 256)] + [
+    pytest.param("sm_90", torch.float16, 80, dict(causal=False, window=None, softcap=None,
+                                                 mask=None), id="sm_90-fp16-d80-plain"),
+    pytest.param("sm_90", torch.float32, 64, dict(window=None, softcap=None, mask=None),
+                 id="sm_90-fp32-d64-causal"),
+    pytest.param("sm_90", torch.bfloat16, 128, dict(causal=False, window=None, softcap=None,
+                                                    mask="bool_keypad"), id="sm_90-keypad"),
+    pytest.param("sm_90", torch.float16, 64, dict(window=None, softcap=None,
+                                                  mask="additive_heads"), id="sm_90-additive"),
+    pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, softcap=None,
+                                                    mask="documents"), id="sm_90-mask_mod"),
+    pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
+                                                   alibi=True), id="sm_90-alibi-documents"),
+] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
+                  id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
+
+
+@pytest.mark.parametrize("arch, dtype, head_dim, options", CASES)
+def test_backward_kernels_compile_to_cubin(arch, dtype, head_dim, options):
+    cubins = _cubins(arch, dtype, head_dim, **options)   # rows, dK/dV, dQ
+    assert len(cubins) == 3 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)

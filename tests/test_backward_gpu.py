@@ -1,0 +1,143 @@
+"""GPU: the cuTile backward kernels against fp64 autograd of the definition, with poisoned
+outputs (the shared case matrix in 16-bit, fp32's TF32x3, every head-dim tile, masks with
+empty rows, sinks, mask_mods), bitwise reproducibility, and a compiled training step.
+
+Run on a CUDA machine with cuda-tile installed: ``pytest -m gpu tests``. Skipped elsewhere.
+"""
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from gradients import assert_grads_match, empty_rows_have_zero_grads, op_and_definition_grads
+from semantics import SEMANTIC_CASES, Case
+from test_kernel_gpu import _kernel_required, poison_allocator  # noqa: F401
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def check_grads(case, dtype, **kwargs):
+    poison_allocator(case.batch * case.heads_q * max(case.seq_q, case.seq_kv) * 256 * 4)
+    got, want = op_and_definition_grads(case, "cuda", dtype, **kwargs)
+    torch.cuda.synchronize()
+    assert_grads_match(got, want, dtype)
+
+
+# bf16 over the whole case matrix, fp16 (the same code path, other rounding) over a third of
+# it: each case compiles its own kernel variants, and the suite must fit one device call.
+GRAD_CASES = ([pytest.param(case, torch.bfloat16, id=f"bf16-{case.name}")
+               for case in SEMANTIC_CASES]
+              + [pytest.param(case, torch.float16, id=f"fp16-{case.name}")
+                 for case in SEMANTIC_CASES[::3]])
+
+
+@pytest.mark.parametrize("case, dtype", GRAD_CASES)
+def test_gradients_match_definition(case, dtype):
+    check_grads(case, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
+def test_fp32_gradients_tf32x3(head_dim):
+    check_grads(Case(head_dim=head_dim, causal=True, seq_q=200, seq_kv=230, window=150),
+                torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [16, 24, 40, 96, 112, 160, 200, 256])
+def test_every_head_dim_tile(head_dim):
+    check_grads(Case(head_dim=head_dim, causal=True, seq_q=130, seq_kv=130), torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [
+    Case(batch=1, heads_q=32, heads_kv=8, seq_q=2048, seq_kv=2048, head_dim=128, causal=True),
+    Case(batch=2, heads_q=16, heads_kv=16, seq_q=1000, seq_kv=1000, head_dim=64),
+    Case(batch=1, heads_q=8, heads_kv=2, seq_q=777, seq_kv=1500, head_dim=128, causal=True,
+         window=300, mask="bool_keypad"),
+], ids=lambda c: c.name)
+def test_long_sequences(case):
+    check_grads(case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [Case(seq_q=150, seq_kv=70, causal=True),
+                                  Case(mask="bool_empty_rows", causal=True)],
+                         ids=lambda c: c.name)
+def test_rows_without_keys_get_zero_gradients(case):
+    empty_rows_have_zero_grads(case, "cuda", torch.bfloat16)
+
+
+def test_mask_mods_train_on_the_kernels():
+    case = Case(seq_q=300, seq_kv=300, causal=True, heads_q=8, heads_kv=2)
+    ids = (torch.arange(300) // 71).cuda()
+    check_grads(case, torch.bfloat16, mask_mod=hta.variants.document_mask(ids))
+    check_grads(replace(case, causal=False), torch.float16,
+                mask_mod=hta.variants.sliding_window(40))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_additive_score_mods_train_on_the_kernels(dtype):
+    """ALiBi and a T5-style bias table (no grad) run in the backward kernels: no warning of
+    the reference path, gradients as the definition's."""
+    case = Case(seq_q=300, seq_kv=300, heads_q=8, heads_kv=2)
+    V = hta.variants
+    alibi = V.alibi(V.alibi_slopes(8).cuda())
+    table = torch.randn(600, device="cuda")
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 300]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*reference path on the GPU.*")
+        check_grads(replace(case, causal=True), dtype, score_mod=alibi)
+        check_grads(case, dtype, score_mod=bias, mask_mod=V.document_mask(
+            (torch.arange(300) // 77).cuda()))
+
+
+def test_learnable_score_mod_on_the_gpu():
+    case = Case(seq_q=120, seq_kv=120, causal=True)
+    table = torch.randn(240, device="cuda").requires_grad_()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 120]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reference path on the GPU.*")
+        check_grads(case, torch.float32, score_mod=bias, learnable=(table,))
+
+
+@pytest.mark.parametrize("case", [Case(causal=True, mask="bool_keypad", seq_q=500, seq_kv=500),
+                                  Case(heads_q=8, heads_kv=1, softcap=5.0, seq_q=300,
+                                       seq_kv=300)], ids=lambda c: c.name)
+def test_gradients_are_bitwise_reproducible(case):
+    first, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+    second, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_compiled_training_step_on_the_gpu():
+    torch.manual_seed(0)
+    weights = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    ids = (torch.arange(256, device="cuda") // 50)
+    documents = hta.variants.document_mask(ids)
+
+    def step(x):
+        q = (x @ weights).view(1, 256, 4, 16).transpose(1, 2)
+        out = hta.tiled_attention(q, q[:, :2], q[:, :2], mask_mod=documents)
+        return out.float().square().mean()
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(3):
+        x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(seed))
+        weights.grad = None
+        compiled(x).backward()
+        got = weights.grad.clone()
+        weights.grad = None
+        step(x).backward()
+        # (inductor's fused bf16 matmul backward may round differently from eager's)
+        torch.testing.assert_close(got, weights.grad, atol=2e-2 * got.abs().max().item(),
+                                   rtol=0)
