@@ -10,6 +10,7 @@ largest warp-stall reasons.
     python eval/ncu_profile.py                                  # B=4 32/8 S=4096 D=128 bf16
     python eval/ncu_profile.py --causal --backends tiled sdpa_cudnn
     python eval/ncu_profile.py --seq 1024 --batch 16
+    python eval/ncu_profile.py --backward --backends tiled sdpa_cudnn   # the backward's kernels
 
 Needs a GPU whose counters ncu can read (a Firecracker host of the lent H200s can).
 """
@@ -66,6 +67,16 @@ def workload(args) -> None:
     q, k, v = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=gen, device="cuda",
                            dtype=dtype) for h in (hq, hkv, hkv))
     fn = make_call(args.workload, args.causal, parse_schedules(args.schedule)[0])
+    if args.backward:  # the forward runs outside the range: only the backward's kernels count
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        d_out = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+        out = fn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range(NVTX_RANGE):
+            torch.autograd.grad(out, (q, k, v), d_out)
+        torch.cuda.synchronize()
+        return
     fn(q, k, v)
     torch.cuda.synchronize()
     with torch.cuda.nvtx.range(NVTX_RANGE):
@@ -130,7 +141,8 @@ def forwarded(args) -> list[str]:
              "--head-dim", str(args.head_dim), "--dtype", args.dtype]
     for spec in args.schedule:
         flags += ["--schedule", spec]
-    return flags + (["--causal"] if args.causal else [])
+    return (flags + (["--causal"] if args.causal else [])
+            + (["--backward"] if args.backward else []))
 
 
 def main(argv=None) -> int:
@@ -141,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backward", action="store_true",
+                        help="profile the backward pass (dQ, dK, dV) instead of the forward")
     parser.add_argument("--schedule", action="append", default=[],
                         help="a Schedule field for tiled: FIELD=VALUE (repeatable)")
     parser.add_argument("--backends", nargs="+", default=["tiled", "sdpa_cudnn", "sdpa_flash"])
@@ -158,7 +172,7 @@ def main(argv=None) -> int:
     causal = "causal" if args.causal else "noncausal"
     args.out = args.out or results_dir() / "ncu" / (
         f"{args.dtype}-b{args.batch}-h{args.heads.replace('/', '-')}-s{args.seq}"
-        f"-d{args.head_dim}-{causal}")
+        f"-d{args.head_dim}-{causal}{'-backward' if args.backward else ''}")
     args.out.mkdir(parents=True, exist_ok=True)
     results = ResultsWriter(args.out, "ncu_summary", COLUMNS, sys.argv)
     for backend in args.backends:

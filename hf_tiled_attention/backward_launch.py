@@ -22,6 +22,7 @@ from .launch import array_constraint, kernel_copy_with_mods, kernel_mask_dtype, 
 from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
+from .reference import empty_output
 from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
 
 # Query rows per block of the rows kernel (backward_kernel.attention_backward_rows).
@@ -121,7 +122,8 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                     mask: Optional[CompactMask | ModMask], diag_offset: int, window: int,
                     keep: bool = False):
     """``(rows kernel arguments, kv arrays + scalars, q arrays + scalars, grids (rows, kv, q),
-    (dq, dk, dv))`` of one backward (``out`` and ``grad_out`` contiguous);
+    (dq, dk, dv))`` of one backward (``out`` and ``grad_out`` with unit stride along D, any
+    other strides);
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
@@ -172,7 +174,7 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          mask_layout(mask), bool(causal), float(scale), window is not None,
                          softcap, mods, schedule)
     rows_args, kv_args, q_args, grids, grads = backward_arrays(
-        plan, grad_out, query, key, value, out.contiguous(), lse, grad_lse, mask, diag_offset,
+        plan, grad_out, query, key, value, out, lse, grad_lse, mask, diag_offset,
         window or 0, keep)
     kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
@@ -201,7 +203,7 @@ def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.T
     from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
                                        TupleConstraint, export_kernel)
 
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = empty_output(query)
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
     rows_args, kv_args, q_args, _, _ = backward_arrays(plan, out, query, key, key, out, lse,
                                                        lse, mask, diag_offset, window)

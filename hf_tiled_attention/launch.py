@@ -21,6 +21,7 @@ from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionCo
 from .masks import CompactMask, ModMask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
+from .reference import empty_output
 from .schedule import DECODE_QUERY_ROWS, PACKED_TILE_ROWS, Schedule, head_dim_parts
 from .visibility import key_span
 
@@ -407,11 +408,11 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 class BufferViews(NamedTuple):
     """How a launch views its own buffers, worked out once per plan (per-call host time):
-    ``(shape, strides)`` of the packed ``(B, heads, Sq, pack, ...)`` views of the output and the
-    LSE (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
+    the shape of the packed ``(B, heads, Sq, pack, D)`` views of the queries and the output, and
+    ``(shape, strides)`` of the LSE's (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
     one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``; None unless
     split)."""
-    out_rows: Optional[tuple]
+    group_rows: Optional[tuple]
     lse_rows: Optional[tuple]
     part_lse: Optional[tuple]
     part_out: Optional[tuple]
@@ -422,13 +423,12 @@ class BufferViews(NamedTuple):
 @memoize(1024)
 def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
                  g_tile: int, splits: int) -> BufferViews:
-    out_rows = lse_rows = part_lse = part_out = None
+    group_rows = lse_rows = part_lse = part_out = None
     rows_shape = (heads_q, seq_q, head_dim)
     if g_tile > 1:
         pack = heads_q // heads_grid
         rows_shape = (heads_grid, seq_q, pack, head_dim)
-        out_rows = ((batch,) + rows_shape, (heads_q * seq_q * head_dim, pack * seq_q * head_dim,
-                                            head_dim, seq_q * head_dim, 1))
+        group_rows = (batch,) + rows_shape
         lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, pack * seq_q, 1, seq_q))
     offset = workspace = 0
     if splits > 1:  # (splits, B * heads, ...): a slice's rows for all heads and batch rows
@@ -438,7 +438,7 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
         workspace = offset + lse_size * head_dim
         part_lse = (out_shape[:-1], _contiguous_strides(out_shape[:-1]))
         part_out = (out_shape, _contiguous_strides(out_shape))
-    return BufferViews(out_rows, lse_rows, part_lse, part_out, offset, workspace)
+    return BufferViews(group_rows, lse_rows, part_lse, part_out, offset, workspace)
 
 
 class LaunchArrays(NamedTuple):
@@ -459,17 +459,12 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     variant, views = plan.variant, plan.views
     device = query.device
     keep = keep_for_stream is not None
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    out = empty_output(query)
     lse = (torch.empty(query.shape[:3], dtype=torch.float32, device=device)
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
-    if views.out_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        pack = views.out_rows[0][3]
-        stride = query.stride()
-        q_rows = query.as_strided(views.out_rows[0], (stride[0], pack * stride[1], stride[2],
-                                                      stride[1], stride[3]),
-                                  query.storage_offset())
-        out_rows = out.as_strided(*views.out_rows)
+    if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
+        q_rows, out_rows = (_group_rows(t, views.group_rows) for t in (query, out))
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
@@ -490,6 +485,14 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     captures = () if variant.mods is None else variant.mods.kernel_captures()
     return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states, ranges,
                          captures), merge, out, lse)
+
+
+def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``(B, Hq, Sq, D)`` seen as ``(B, Hkv, Sq, group, D)``: each kv head's query heads side
+    by side in a row, whatever the tensor's strides (a view, no copy)."""
+    stride, pack = tensor.stride(), shape[3]
+    return tensor.as_strided(shape, (stride[0], pack * stride[1], stride[2], stride[1],
+                                     stride[3]), tensor.storage_offset())
 
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

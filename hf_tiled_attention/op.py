@@ -22,7 +22,8 @@ from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, mod_mask, reused_compact_mask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, compile_mods, mods_from_key, traced_mods
-from .reference import reference_attention, reference_attention_backward
+from .reference import (empty_output, in_output_layout, reference_attention,
+                        reference_attention_backward)
 from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_tile,
                        resolve_schedule)
 
@@ -306,9 +307,7 @@ def _sm_count(device: torch.device) -> int:
 @_attention_op.register_fake
 def _attention_fake(query, key, value, mask, mask_kind, causal, scale, window, softcap,
                     diag_offset, schedule, mods_key, captures, eager):
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    lse = query.new_empty(query.shape[:3], dtype=torch.float32)
-    return out, lse
+    return empty_output(query), query.new_empty(query.shape[:3], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -344,7 +343,7 @@ def _attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: tor
                            eager: bool) -> list[torch.Tensor]:
     """``[dq, dk, dv, *(d capture for each capture flagged learnable)]``."""
     compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
-    return backward(grad_out.contiguous(), query, key, value, out, lse, grad_lse, compact,
+    return backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse, compact,
                     causal=causal, scale=scale, window=window or None,
                     softcap=softcap or None, diag_offset=diag_offset, mods_key=mods_key,
                     captures=captures, learnable=learnable,

@@ -84,6 +84,25 @@ def chunk_scores(call: _Call, q: torch.Tensor, k: torch.Tensor, q0: int, q1: int
     return s
 
 
+def empty_output(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised ``(B, H, S, D)`` tensor laid out as ``(B, S, H, D)`` in memory: the
+    layout of every output of the op (kernels, reference and fake alike), as SDPA's fused
+    kernels return theirs. transformers' ``out.transpose(1, 2)`` is then contiguous with no copy,
+    so the tensor the backward keeps is the one the output projection reads, not a second one."""
+    batch, heads, seq, head_dim = like.shape
+    return torch.empty((batch, seq, heads, head_dim), dtype=like.dtype,
+                       device=like.device).transpose(1, 2)
+
+
+def in_output_layout(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when laid out as :func:`empty_output` lays it out, else such a copy
+    (a gradient reaching the output arrives in the output's layout unless something between
+    reshaped it)."""
+    if tensor.stride(-1) == 1 and tensor.transpose(1, 2).is_contiguous():
+        return tensor
+    return empty_output(tensor).copy_(tensor)
+
+
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         mask: Optional[CompactMask], *, causal: bool, scale: float,
                         window: Optional[int], softcap: Optional[float], diag_offset: int,
@@ -91,7 +110,7 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Returns ``(out (B, Hq, Sq, D) in query's dtype, lse (B, Hq, Sq) fp32)``. ``mask`` may be
     a :class:`ModMask` (a mask_mod); ``score_mod`` changes the scaled scores before masking."""
     call = _Call(query, key, mask, causal, scale, window, softcap, diag_offset, score_mod)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = empty_output(query)
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
     # Views grouped by kv head: (B, Hkv, G, S, D); no copies of K/V.
     grouped = (call.heads_kv, call.group)

@@ -126,7 +126,8 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            window=window, softcap=kwargs.get("softcap"), diag_offset=diag_offset,
                            return_lse=False, key_mask_table=memo is not None, mods=mods,
                            sinks=sinks)
-    # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it.
+    # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it: the op
+    # lays its output out that way in memory, so this is a view, not a copy.
     return out.transpose(1, 2).contiguous(), None
 
 

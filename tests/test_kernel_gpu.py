@@ -42,6 +42,7 @@ def check_case(case: Case, dtype, schedule=None, seed=0):
     torch.cuda.synchronize()
     want_out, want_lse = definition(q, k, v, mask, **op_kwargs(case, "cuda"))
     assert out.dtype == dtype
+    assert out.transpose(1, 2).is_contiguous(), "the output is laid out as (B, Sq, Hq, D)"
     assert_matches_definition(out, lse, want_out, want_lse, atol=TOLERANCE[dtype], lse_atol=1e-2)
 
 
