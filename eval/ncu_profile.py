@@ -1,9 +1,9 @@
 """Hardware counters for one attention shape: `tiled` next to SDPA's kernels, under Nsight Compute.
 
-For each backend it starts `ncu --clock-control none` on this script's `--workload` mode, which
-calls the backend once to warm up and once more inside an NVTX range that ncu filters on, so
-only the timed call's kernels are profiled. The raw metrics of every profiled kernel go to
-`ncu_raw_<backend>.csv`; `ncu_summary.csv` keeps the ones that say where a kernel's time goes:
+For each backend it starts `ncu --clock-control none --profile-from-start off` on this script's
+`--workload` mode, which calls the backend once to warm up and once more between
+cudaProfilerStart and Stop, so only that call's kernels are profiled (`--backward`: the
+backward's). The raw metrics of every profiled kernel go to `ncu_raw_<backend>.csv`; `ncu_summary.csv` keeps the ones that say where a kernel's time goes:
 duration, SM and tensor-pipe utilisation, issue activity, occupancy, registers, and the
 largest warp-stall reasons.
 
@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import (DTYPES, ResultsWriter, parse_heads, parse_schedules,  # noqa: E402
                          results_dir)
 
-NVTX_RANGE = "profiled_call"
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy",
             "LaunchStats", "SchedulerStats", "InstructionStats", "MemoryWorkloadAnalysis"]
 # Metrics kept in the summary: exact names, then patterns (every match is kept).
@@ -58,7 +57,9 @@ COLUMNS = ["backend", "kernel", "metric", "unit", "value"]
 
 
 def workload(args) -> None:
-    """What ncu runs: one backend, a warm-up call, then the profiled call in an NVTX range."""
+    """What ncu runs: one backend, a warm-up call, then the profiled call between
+    cudaProfilerStart and Stop (process-wide: autograd launches the backward's kernels from its
+    own thread, which an NVTX range of this one would not cover)."""
     from eval.kernel_bench import make_call
 
     hq, hkv = parse_heads(args.heads)
@@ -67,27 +68,28 @@ def workload(args) -> None:
     q, k, v = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=gen, device="cuda",
                            dtype=dtype) for h in (hq, hkv, hkv))
     fn = make_call(args.workload, args.causal, parse_schedules(args.schedule)[0])
-    if args.backward:  # the forward runs outside the range: only the backward's kernels count
+    if args.backward:  # the forward runs before the profiled part: only the backward counts
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         d_out = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
         out = fn(q, k, v)
-        torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
-        torch.cuda.synchronize()
-        with torch.cuda.nvtx.range(NVTX_RANGE):
-            torch.autograd.grad(out, (q, k, v), d_out)
-        torch.cuda.synchronize()
-        return
-    fn(q, k, v)
+
+        def call():
+            return torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+    else:
+        def call():
+            return fn(q, k, v)
+    call()
     torch.cuda.synchronize()
-    with torch.cuda.nvtx.range(NVTX_RANGE):
-        fn(q, k, v)
+    torch.cuda.profiler.start()
+    call()
     torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def profile_backend(backend: str, args, ncu: str) -> list[dict]:
     """Run the workload under ncu; the raw CSV page, one dict per profiled kernel."""
-    command = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/",
-               "--csv", "--page", "raw"]
+    command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page",
+               "raw"]
     for section in SECTIONS:
         command += ["--section", section]
     command += [sys.executable, __file__, "--workload", backend] + forwarded(args)
