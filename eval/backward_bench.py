@@ -198,7 +198,10 @@ def run_point(point, args, writer: ResultsWriter) -> None:
         try:
             call = make_call(backend, spec, batch, heads_q, seq, device)
             out = call(q, k, v)
-            grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+            # The gradient in the layout of this backend's output, as a model's next layer
+            # hands it back (a contiguous one would add a copy to some backends, not others).
+            grad = torch.empty_like(out).copy_(d_out)
+            grads = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
             err = grad_error(grads, want, heads_q // heads_kv)
         except Exception as exc:  # a backend that cannot run the point says why
             for row in rows.values():
@@ -215,8 +218,8 @@ def run_point(point, args, writer: ResultsWriter) -> None:
             print(f"  {variant} {backend}: WRONG gradients ({err:.3g})", flush=True)
             continue
         timed(rows["fwd"], lambda: call(q, k, v), [()], flops, args.warmup, args.reps)
-        timed(rows["bwd"], lambda graph=out: torch.autograd.grad(graph, (q, k, v), d_out,
-                                                                 retain_graph=True),
+        timed(rows["bwd"], lambda graph=out, grad=grad: torch.autograd.grad(
+                  graph, (q, k, v), grad, retain_graph=True),
               [()], 2.5 * flops, args.warmup, args.reps)
         for p, row in rows.items():
             row["status"] = "ok"
@@ -225,7 +228,7 @@ def run_point(point, args, writer: ResultsWriter) -> None:
                   f"causal={base['causal']} {backend:14s} {p}: {row['ms']} ms "
                   f"{row['tflops']} TF/s (back to back {row.get('gpu_tflops', '-')}) "
                   f"err {row['max_err']}", flush=True)
-        del out, grads
+        del out, grads, grad
 
 
 def plot(rows: list[dict], out_dir: Path) -> Path:

@@ -72,6 +72,7 @@ def workload(args) -> None:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         d_out = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
         out = fn(q, k, v)
+        d_out = torch.empty_like(out).copy_(d_out)  # in the output's layout, as a model's is
 
         def call():
             return torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
