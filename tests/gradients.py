@@ -61,6 +61,12 @@ def assert_grads_match(got: dict, want: dict, dtype) -> None:
             f"d{name}: max abs err {err:.3g} > {GRAD_TOLERANCE[dtype]} x {scale:.3g}"
 
 
+# Cases with query rows that see no key: bottom-right causal with more queries than keys, and
+# a mask that hides whole rows (checked by empty_rows_have_zero_grads on the CPU and the GPU).
+EMPTY_ROW_CASES = [Case(seq_q=150, seq_kv=70, causal=True),
+                   Case(mask="bool_empty_rows", causal=True)]
+
+
 def empty_rows_have_zero_grads(case: Case, device, dtype) -> None:
     """Rows that see no key: dq exactly 0 (and never NaN)."""
     q, k, v, mask = make_inputs(case, device, dtype)
@@ -74,5 +80,5 @@ def empty_rows_have_zero_grads(case: Case, device, dtype) -> None:
     assert (q.grad[empty] == 0).all() and torch.isfinite(q.grad).all()
 
 
-__all__ = ["GRAD_TOLERANCE", "assert_grads_match", "empty_rows_have_zero_grads",
+__all__ = ["EMPTY_ROW_CASES", "GRAD_TOLERANCE", "assert_grads_match", "empty_rows_have_zero_grads",
            "make_sinks", "op_and_definition_grads"]

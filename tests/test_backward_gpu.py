@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from gradients import assert_grads_match, empty_rows_have_zero_grads, op_and_definition_grads
+from gradients import (EMPTY_ROW_CASES, assert_grads_match, empty_rows_have_zero_grads,
+                       op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
 from test_kernel_gpu import _kernel_required, poison_allocator  # noqa: F401
 
@@ -63,9 +64,7 @@ def test_long_sequences(case):
     check_grads(case, torch.bfloat16)
 
 
-@pytest.mark.parametrize("case", [Case(seq_q=150, seq_kv=70, causal=True),
-                                  Case(mask="bool_empty_rows", causal=True)],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=lambda c: c.name)
 def test_rows_without_keys_get_zero_gradients(case):
     empty_rows_have_zero_grads(case, "cuda", torch.bfloat16)
 
