@@ -23,8 +23,9 @@ Both read the constants as the forward does (one ``kernel_params.AttentionConsta
 TILE_M is the query tile, TILE_N the key tile) and hide scores with the forward's rules: the
 visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per mod by the
 launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
-(ALiBi, bias tables: derivative 1) and reads no tensor that needs a gradient; any other
-score_mod's backward runs the reference path (op.backward).
+(ALiBi, bias tables: derivative 1) or when mod_derivative derived its derivative in the
+score (``_score_mod_grad``, which multiplies dS), and reads no tensor that needs a gradient;
+any other score_mod's backward runs the reference path (op.backward).
 """
 
 import math
@@ -39,10 +40,14 @@ from .visibility import clip_tiles, query_tiles, visible
 
 
 def _score_mod(score, b, h, q_idx, kv_idx, captures):
-    """Stand-in for a user's score_mod (replaced per mod by the launcher). Only a score_mod
-    that adds terms to its score runs here (mods.CompiledMods.score_mod_additive): its
-    derivative in the score is 1, so the gradients need nothing more from it."""
+    """Stand-in for a user's score_mod (replaced per mod by the launcher)."""
     return score
+
+
+def _score_mod_grad(score, b, h, q_idx, kv_idx, captures):
+    """Stand-in for the score_mod's derivative in its score (mod_derivative; replaced per mod
+    by the launcher). Not called for a score_mod that adds terms to its score (derivative 1)."""
+    return score * 0.0 + 1.0
 
 
 def _mask_mod(b, h, q_idx, kv_idx, captures):
@@ -148,8 +153,9 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         qk = mma(k, _transposed(Q, q, batch, head, i, TILE_M, TILE_D, C),
                  ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
         s, tanh = _scores(qk, scalars, C)
+        unmodified = s
         q_idx = i * TILE_M + row_in_tile
-        if C[P.SCORE_MOD]:  # an additive score_mod: run as in the forward, derivative 1
+        if C[P.SCORE_MOD]:
             s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
         s = _hidden(s, q_idx, kv_idx, EDGE, tile_state, (batch, head, mask_b, mask_h, i,
                                                          n_tile), Mask, Captures, scalars,
@@ -159,6 +165,8 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         dp = mma(v, _transposed(dOut, do, batch, head, i, TILE_M, TILE_D, C),
                  ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
         ds = _score_grads(p, dp, delta.reshape((1, TILE_M)), tanh, C)
+        if C[P.SCORE_MOD_GRAD]:
+            ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
         dk = mma(ds.astype(Q.dtype), q, dk)
     return dk, dv
 
@@ -236,6 +244,7 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         qk = mma(q, _transposed(K, k, batch, kv_head, j, TILE_N, TILE_D, C),
                  ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         s, tanh = _scores(qk, scalars, C)
+        unmodified = s
         kv_idx = j * TILE_N + col_in_tile
         if C[P.SCORE_MOD]:
             s = _score_mod(s, batch, head, q_idx, kv_idx, Captures)
@@ -245,6 +254,8 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         dp = mma(do, _transposed(V, v, batch, kv_head, j, TILE_N, TILE_D, C),
                  ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         ds = _score_grads(p, dp, delta, tanh, C)
+        if C[P.SCORE_MOD_GRAD]:
+            ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
         dq = mma(ds.astype(K.dtype), k, dq)
     return dq
 
@@ -348,6 +359,13 @@ def _probabilities(s, lse, C):
     if C[P.SCORE_UNIT] == 1.0:
         return ct.exp2((s - lse) * LOG2E, flush_to_zero=True)
     return ct.exp2(s - lse, flush_to_zero=True)
+
+
+def _through_score_mod(ds, p, score, batch, head, q_idx, kv_idx, Captures):
+    """``ds`` times the score_mod's derivative at the score it was given, where the weight is
+    not 0 (a hidden score's derivative may be inf or NaN; its gradient is exactly 0)."""
+    return ct.where(p > 0.0, ds * _score_mod_grad(score, batch, head, q_idx, kv_idx, Captures),
+                    0.0)
 
 
 def _score_grads(p, dp, delta, tanh, C):

@@ -89,6 +89,7 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             SOFTCAP=softcap is not None,
             APPROX_TANH=softcap is not None and dtype != torch.float32,
             SCORE_MOD=has_score_mod,
+            SCORE_MOD_GRAD=has_score_mod and hasattr(mods.module, "score_mod_grad"),
             MASK_KIND=kind, MASK_BATCHED=batched, MASK_HEADED=headed, MASK_ROWS=per_row,
             MASK_TABLE=kind != NO_MASK, SCORE_UNIT=unit, FOLD_SCALE=False, WRITE_LSE=False,
             HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,

@@ -53,6 +53,8 @@ class AttentionConstants(NamedTuple):
     SOFTCAP: bool
     APPROX_TANH: bool   # softcap's tanh: the hardware's approximate one (16-bit inputs)
     SCORE_MOD: bool     # scores pass through the translated score_mod
+    SCORE_MOD_GRAD: bool  # backward: dS is multiplied by the score_mod's derivative (a mod
+                          # that is not additive: mod_derivative)
     MASK_KIND: int      # NO_MASK, BOOL_MASK, ADDITIVE_MASK, MASK_MOD
     MASK_BATCHED: bool  # the mask has a batch dim of size B (else 1)
     MASK_HEADED: bool   # the mask has a head dim of size Hq (else 1)

@@ -223,7 +223,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
         TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
         SOFTCAP=softcap is not None, APPROX_TANH=softcap is not None and dtype != torch.float32,
-        SCORE_MOD=has_score_mod, MASK_KIND=mask_kind, MASK_BATCHED=batched,
+        SCORE_MOD=has_score_mod, SCORE_MOD_GRAD=False, MASK_KIND=mask_kind, MASK_BATCHED=batched,
         MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
@@ -275,7 +275,7 @@ def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[
 
 
 # The kernel's stand-ins for the mods (kernel.py), which a copy of the kernel replaces.
-_MOD_NAMES = ("_score_mod", "_mask_mod")
+_MOD_NAMES = ("_score_mod", "_mask_mod", "_score_mod_grad")
 
 
 @memoize(256)

@@ -366,19 +366,21 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
              mods_key: Optional[str] = None, captures: Sequence[torch.Tensor] = (),
              learnable: Sequence[bool] = (), keep: bool = False) -> list[torch.Tensor]:
     """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
-    reference backward elsewhere and for a score_mod the kernels cannot run (one that does more
-    than add terms to its score, or reads a tensor that requires grad: there the derivative
-    is a vector-Jacobian product of its torch twin, which also gives the gradients of the
-    learnable tensors it reads: ``learnable[i]`` flags ``captures[i]``). ``keep``: the block tables made may be
+    reference backward elsewhere and for a score_mod the kernels cannot run (one whose
+    derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
+    grad: there the derivative is a vector-Jacobian product of its torch twin, which also
+    gives the gradients of the learnable tensors it reads: ``learnable[i]`` flags
+    ``captures[i]``). ``keep``: the block tables made may be
     kept for later calls (memo.may_keep_device_memory)."""
     mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     if mods is not None and mods.mask_mod is not None:
         mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                         query.device, keep=keep)
     has_score_mod = mods is not None and mods.score_mod is not None
-    # The kernels run a score_mod whose derivative in the score is 1 and whose tensors need no
-    # gradient; any other goes to the reference path.
-    on_kernels = not has_score_mod or (mods.score_mod_additive and not any(learnable))
+    # The kernels run a score_mod whose derivative in the score is 1 or was derived
+    # (mod_derivative), and whose tensors need no gradient; any other goes to the reference
+    # path.
+    on_kernels = not has_score_mod or (mods.score_mod_differentiable and not any(learnable))
     if on_kernels and query.numel() and kernel_available(query.device):
         from .backward_launch import run_backward
         return list(run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
@@ -398,8 +400,9 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
 def _warn_score_mod_backward_once(names: str) -> None:
     warnings.warn(f"hf_tiled_attention: the backward of {names} runs the reference path on the "
                   "GPU (torch autograd of the mod, chunk by chunk): correct but slower than the "
-                  "kernels, which run only score_mods that add terms to the score and read no "
-                  "tensor that requires grad.",
+                  "kernels, which run a score_mod whose derivative in the score they can derive "
+                  "(one expression of + - * /, where, tanh, exp, log, ... of the score) and "
+                  "that reads no tensor that requires grad.",
                   RuntimeWarning, stacklevel=3)
 
 

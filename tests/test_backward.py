@@ -136,7 +136,7 @@ def test_mask_mod_tables_are_built_once_across_op_calls(monkeypatch):
     ("alibi", True), ("t5", True), ("bias_minus", True), ("softcap", False), ("scaled", False),
     ("where", False)])
 def test_which_score_mods_add_to_the_score(name, additive):
-    """The backward kernels run a score_mod only when its derivative in the score is 1."""
+    """Which score_mods add terms to their score (the kernels then need no derivative)."""
     from hf_tiled_attention.mods import compile_mods
     V = hta.variants
     bias = torch.randn(64)

@@ -1,6 +1,7 @@
 """CPU: the backward kernels (rows, dK/dV, dQ) compile to cubin (cuTile's exporter, no GPU), for the variants the
 op can launch: every head-dim tile with causal + window + softcap + a per-row mask on sm_90,
-each mask kind, fp16 and fp32, a mask_mod's kernel copies, and the other archs once."""
+each mask kind, fp16 and fp32, a mask_mod's kernel copies, score_mods (additive, and with their
+derivative: mod_derivative), and the other archs once."""
 
 import pytest
 import torch
@@ -28,18 +29,27 @@ def _mask(kind, dtype):
     return compact_mask(torch.empty(shape, dtype=mask_dtype, device="meta"), B, HQ, S, S)
 
 
+def _hard_score_mod(score, b, h, q_idx, kv_idx):
+    """Every derivative rule of mod_derivative at once."""
+    x = score / (1.0 + abs(score)) + torch.exp2(-score * score) - torch.sqrt(2.0 + torch.sin(score))
+    y = torch.where(q_idx >= kv_idx, torch.maximum(x, score * 0.5), torch.log(3.0 + torch.cos(x)))
+    return y ** 2 * 0.1 - torch.minimum(torch.floor(score), torch.tanh(score))
+
+
 def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
-            alibi=False):
+            score_mod=None):
     q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
     k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
     compact = _mask(mask, dtype)
     mods = compact.mods if mask == "documents" else None
-    if alibi:  # an additive score_mod: the kernels run it (with the documents' mask_mod)
-        mods = compile_mods(hta.variants.alibi(hta.variants.alibi_slopes(HQ)),
-                            hta.variants.document_mask(torch.arange(S) // 70))
+    if score_mod is not None:  # with the documents' mask_mod, as the op would compile them
+        mods = compile_mods(score_mod, hta.variants.document_mask(torch.arange(S) // 70),
+                            fast_math=dtype != torch.float32)
         compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
     plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
                          window is not None, softcap, mods)
+    if score_mod is not None:  # a score_mod that is not additive brings its derivative
+        assert plan.kv.SCORE_MOD_GRAD is plan.q.SCORE_MOD_GRAD is not mods.score_mod_additive
     return export_backward_cubins(plan, q, k, compact, arch=arch, window=window or 0)
 
 
@@ -55,8 +65,15 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
                                                   mask="additive_heads"), id="sm_90-additive"),
     pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, softcap=None,
                                                     mask="documents"), id="sm_90-mask_mod"),
-    pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
-                                                   alibi=True), id="sm_90-alibi-documents"),
+    pytest.param("sm_90", torch.bfloat16, 64, dict(
+        window=None, softcap=None, mask=None,
+        score_mod=hta.variants.alibi(hta.variants.alibi_slopes(HQ))), id="sm_90-alibi-documents"),
+    pytest.param("sm_90", torch.bfloat16, 128, dict(
+        window=None, softcap=None, mask=None, score_mod=hta.variants.softcap(30.0)),
+        id="sm_90-softcap_mod-documents"),
+    pytest.param("sm_90", torch.float32, 64, dict(
+        window=None, softcap=None, mask=None, score_mod=_hard_score_mod),
+        id="sm_90-fp32-every_derivative_rule"),
 ] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
                   id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
 

@@ -96,6 +96,31 @@ def test_additive_score_mods_train_on_the_kernels(dtype):
             (torch.arange(300) // 77).cuda()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_derived_score_mods_train_on_the_kernels(dtype):
+    """score_mods whose derivative in the score mod_derivative derives (tanh softcap, a
+    per-head scale under a where, a rational function of the score) run in the backward
+    kernels: no warning of the reference path, gradients as the definition's; one with a
+    document mask_mod (hidden scores, whose derivative must not reach the gradients)."""
+    case = Case(seq_q=300, seq_kv=300, heads_q=8, heads_kv=2)
+    V = hta.variants
+    scales = (torch.rand(8, device="cuda") + 0.5)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        t = score * scales[h]
+        return torch.where(q_idx >= kv_idx, t, t * 0.5)
+
+    def rational(score, b, h, q_idx, kv_idx):
+        return score / (1.0 + abs(score) * 0.1) - score * score * 0.01
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*reference path on the GPU.*")
+        check_grads(replace(case, causal=True), dtype, score_mod=V.softcap(4.0))
+        check_grads(case, dtype, score_mod=scaled)
+        check_grads(case, dtype, score_mod=rational,
+                    mask_mod=V.document_mask((torch.arange(300) // 77).cuda()))
+
+
 def test_learnable_score_mod_on_the_gpu():
     case = Case(seq_q=120, seq_kv=120, causal=True)
     table = torch.randn(240, device="cuda").requires_grad_()

@@ -1,0 +1,123 @@
+"""CPU: a score_mod's derivative in its score (mod_derivative), as the backward kernels run it,
+against torch autograd of the mod itself; and which score_mods get one."""
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from hf_tiled_attention import backward_launch, op
+from hf_tiled_attention.mods import compile_mods
+
+V = hta.variants
+B, H, SQ, SKV = 2, 3, 7, 11
+table = torch.randn(H)  # captured tensors are fp32 (the kernel reads them)
+positions = torch.randn(SKV)
+
+
+def scaled_per_head(score, b, h, q_idx, kv_idx):
+    t = score * table[h]
+    return torch.where(q_idx >= kv_idx, t, t * 0.5)
+
+
+def rational(score, b, h, q_idx, kv_idx):
+    return score / (1.0 + abs(score)) - (score - positions[kv_idx]) / (2.0 + score * score)
+
+
+def transcendental(score, b, h, q_idx, kv_idx):
+    x = torch.exp(-score * score) + torch.log(3.0 + torch.sin(score)) ** 2
+    return torch.sqrt(2.0 + torch.cos(x)) - torch.exp2(score * 0.25) + torch.log2(5.0 + x) ** 3
+
+
+def kinks(score, b, h, q_idx, kv_idx):
+    low = torch.minimum(score, score * 0.25 + 0.5)
+    return torch.maximum(low, torch.tanh(score)) + abs(score - 1.0) + torch.floor(score) * 2
+
+
+def piecewise_constant(score, b, h, q_idx, kv_idx):
+    return torch.ceil(score)
+
+
+def calls_a_helper(score, b, h, q_idx, kv_idx):
+    return _helper(score) * 2
+
+
+def _helper(x):
+    return x * x
+
+
+def loops(score, b, h, q_idx, kv_idx):
+    for _ in range(2):
+        score = score * 0.5
+    return score
+
+
+DERIVED = [V.softcap(20.0), scaled_per_head, rational, transcendental, kinks,
+           piecewise_constant, loops]
+
+
+def grid(score_dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    score = (torch.randn(B, H, SQ, SKV, generator=gen, dtype=score_dtype) * 3)
+    b = torch.arange(B)[:, None, None, None]
+    h = torch.arange(H)[None, :, None, None]
+    q = torch.arange(SQ)[None, None, :, None]
+    kv = torch.arange(SKV)[None, None, None, :]
+    return score, b, h, q, kv
+
+
+@pytest.mark.parametrize("fast_math", [False, True], ids=["exact", "fast_math"])
+@pytest.mark.parametrize("score_mod", DERIVED, ids=lambda f: f.__name__)
+def test_derivative_matches_autograd_of_the_mod(score_mod, fast_math):
+    compiled = compile_mods(score_mod, None, fast_math=fast_math)
+    assert compiled.score_mod_grad is not None and compiled.score_mod_differentiable
+    score, b, h, q, kv = grid()
+    score.requires_grad_()
+    want, = torch.autograd.grad(compiled.score_mod(score, b, h, q, kv).sum(), score)
+    got = compiled.score_mod_grad(score.detach(), b, h, q, kv)
+    got = torch.as_tensor(got, dtype=torch.float64).expand_as(want)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_source_has_the_derivative():
+    """The cuTile twin of the derivative is generated next to the torch one (cuTile's names)."""
+    compiled = compile_mods(V.softcap(20.0), None, fast_math=True)
+    grad_source = open(compiled.path).read().split("def _fn0_grad")[1].split("def ")[0]
+    assert "ct.tanh" in grad_source and "RoundingMode.APPROX" in grad_source
+    assert "score_mod_grad = _fn0_grad" in open(compiled.path).read()
+
+
+@pytest.mark.parametrize("score_mod, differentiable, derived", [
+    (V.alibi(V.alibi_slopes(H)), True, False),       # additive: derivative 1, nothing derived
+    (calls_a_helper, False, False),                  # another function of the score
+    (loops, True, True),                             # unrolled: assignments, one expression
+    (V.softcap(20.0), True, True),
+], ids=["alibi", "helper", "loop", "softcap"])
+def test_which_score_mods_run_on_the_backward_kernels(score_mod, differentiable, derived):
+    compiled = compile_mods(score_mod, None)
+    assert compiled.score_mod_differentiable is differentiable
+    assert (compiled.score_mod_grad is not None) is derived
+
+
+@pytest.mark.parametrize("score_mod, on_kernels", [
+    (V.softcap(20.0), True), (rational, True), (calls_a_helper, False)],
+    ids=["softcap", "rational", "helper"])
+def test_backward_routes_by_derivative(monkeypatch, score_mod, on_kernels):
+    """With a GPU: a score_mod with a derived derivative runs its backward on the kernels, one
+    without on the reference path (which warns there). Launches stubbed."""
+    calls = []
+
+    def stub(grad_out, query, key, value, *args, **kwargs):
+        calls.append(kwargs["mods"].names)
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    monkeypatch.setattr(op, "kernel_available", lambda device: True)
+    monkeypatch.setattr(backward_launch, "run_backward", stub)
+    q = torch.randn(1, H, 16, 16)
+    k = torch.randn(1, 1, 16, 16)
+    out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
+                                      softcap=None, diag_offset=0)
+    compiled = compile_mods(score_mod, None)
+    op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
+                window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
+                captures=list(compiled.captures), learnable=[False] * len(compiled.captures))
+    assert len(calls) == (1 if on_kernels else 0)
