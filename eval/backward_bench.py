@@ -70,7 +70,10 @@ def padded_points():
            ["tiled", "sdpa_cudnn", "sdpa_efficient", "flex"])
 
 
-VARIANTS = ["causal", "sliding-window", "documents", "alibi", "softcap", "prefix-lm"]
+# softcap: tiled runs its built-in softcap; softcap-mod: the same function as a score_mod,
+# whose backward multiplies dS by the mod's derived derivative (mod_derivative).
+VARIANTS = ["causal", "sliding-window", "documents", "alibi", "softcap", "softcap-mod",
+            "prefix-lm"]
 
 
 def variant_points(shapes=((4, 4096), (1, 16384))):
@@ -105,7 +108,7 @@ def call_spec(variant: str, batch: int, heads: int, seq: int, causal, device) ->
         return dict(mods=dict(is_causal=True, attn_mask=keys[:, None, None, :]),
                     mask_mod=padded_causal, score_mod=None,
                     dense=causal_dense[None, None] & keys[:, None, None, :], is_causal=False)
-    mods = variant_mods(variant, batch, heads, seq, device)
+    mods = variant_mods(variant.removesuffix("-mod"), batch, heads, seq, device)
     flex = dict(mods)
     if variant == "softcap":  # tiled runs its built-in softcap (the same function, no mod)
         mods = dict(softcap=30.0, is_causal=True)
