@@ -160,10 +160,22 @@ def test_which_score_mods_add_to_the_score(name, additive):
     assert compile_mods(mods[name], None).score_mod_additive is additive
 
 
-@pytest.mark.parametrize("learnable", [False, True])
-def test_additive_score_mod_backward_takes_the_kernels(monkeypatch, learnable):
-    """With a GPU: an ALiBi score_mod's backward runs on the kernels; with slopes that require
-    grad it runs the reference path (which gives their gradient). Launches stubbed."""
+def _squares_by_helper(score, b, h, q_idx, kv_idx):
+    return _square(score) * 0.1
+
+
+def _square(x):
+    return x * x
+
+
+@pytest.mark.parametrize("mod, learnable, on_kernels", [
+    ("alibi", False, True), ("alibi", True, False), ("softcap", False, True),
+    ("helper", False, False)], ids=["alibi", "alibi-learnable", "softcap", "helper"])
+def test_score_mod_backward_route(monkeypatch, mod, learnable, on_kernels):
+    """With a GPU: an additive score_mod (ALiBi) and one with a derived derivative (tanh
+    softcap) run their backward on the kernels; learnable slopes, or a mod that calls another
+    function on its score (no derivative rule), run the reference path (which gives the
+    slopes' gradient). Launches stubbed."""
     from hf_tiled_attention import backward_launch, op
 
     calls = []
@@ -174,13 +186,17 @@ def test_additive_score_mod_backward_takes_the_kernels(monkeypatch, learnable):
 
     monkeypatch.setattr(op, "kernel_available", lambda device: True)
     monkeypatch.setattr(backward_launch, "run_backward", stub)
-    slopes = hta.variants.alibi_slopes(4)
+    score_mod = {"alibi": hta.variants.alibi(hta.variants.alibi_slopes(4)),
+                 "softcap": hta.variants.softcap(20.0), "helper": _squares_by_helper}[mod]
     q = torch.randn(1, 4, 32, 16)
     k = torch.randn(1, 2, 32, 16)
     out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
                                       softcap=None, diag_offset=0)
-    compiled = hta.mods.compile_mods(hta.variants.alibi(slopes), None)
-    op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
-                window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
-                captures=list(compiled.captures), learnable=[learnable])
-    assert len(calls) == (0 if learnable else 1)
+    compiled = hta.mods.compile_mods(score_mod, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
+        op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
+                    window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
+                    captures=list(compiled.captures),
+                    learnable=[learnable] * len(compiled.captures))
+    assert len(calls) == (1 if on_kernels else 0)

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from hf_tiled_attention import backward_launch, op
 from hf_tiled_attention.mods import compile_mods
 
 V = hta.variants
@@ -96,28 +95,3 @@ def test_which_score_mods_run_on_the_backward_kernels(score_mod, differentiable,
     compiled = compile_mods(score_mod, None)
     assert compiled.score_mod_differentiable is differentiable
     assert (compiled.score_mod_grad is not None) is derived
-
-
-@pytest.mark.parametrize("score_mod, on_kernels", [
-    (V.softcap(20.0), True), (rational, True), (calls_a_helper, False)],
-    ids=["softcap", "rational", "helper"])
-def test_backward_routes_by_derivative(monkeypatch, score_mod, on_kernels):
-    """With a GPU: a score_mod with a derived derivative runs its backward on the kernels, one
-    without on the reference path (which warns there). Launches stubbed."""
-    calls = []
-
-    def stub(grad_out, query, key, value, *args, **kwargs):
-        calls.append(kwargs["mods"].names)
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-    monkeypatch.setattr(op, "kernel_available", lambda device: True)
-    monkeypatch.setattr(backward_launch, "run_backward", stub)
-    q = torch.randn(1, H, 16, 16)
-    k = torch.randn(1, 1, 16, 16)
-    out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
-                                      softcap=None, diag_offset=0)
-    compiled = compile_mods(score_mod, None)
-    op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
-                window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
-                captures=list(compiled.captures), learnable=[False] * len(compiled.captures))
-    assert len(calls) == (1 if on_kernels else 0)
