@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch
 
-from .kernel_params import ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionConstants
-from .launch import array_constraint, kernel_copy_with_mods, kernel_mask_dtype, placeholders
+from .kernel_params import MASK_MOD, NO_MASK, AttentionConstants
+from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, placeholders,
+                     score_scalars)
 from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
@@ -74,13 +75,7 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
     schedule = schedule or backward_schedule(head_dim)
     kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
     has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
-    # Additive masks may hold huge finite values, and a score_mod sees natural-unit scores:
-    # natural units, as in the forward.
-    unit = 1.0 if kind == ADDITIVE_MASK or has_score_mod else LOG2E
-    if softcap is not None:
-        score_scale, softcap_out = scale / softcap, softcap * unit
-    else:
-        score_scale, softcap_out = scale * unit, 0.0
+    unit, score_scale, softcap_out = score_scalars(kind, has_score_mod, scale, softcap)
 
     def constants(tile_m: int, tile_n: int) -> AttentionConstants:
         return AttentionConstants(

@@ -200,6 +200,17 @@ def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
     return max(1, min(slots // blocks, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
+def score_scalars(mask_kind: int, has_score_mod: bool, scale: float,
+                  softcap: Optional[float]) -> tuple[float, float, float]:
+    """``(score unit, score_scale, softcap_out)`` of the forward and backward kernels alike.
+    Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
+    A score_mod sees natural-unit scores, as in FlexAttention. Otherwise log2 units."""
+    unit = 1.0 if mask_kind == ADDITIVE_MASK or has_score_mod else LOG2E
+    if softcap is not None:
+        return unit, scale / softcap, softcap * unit
+    return unit, scale * unit, 0.0
+
+
 @memoize(4096)
 def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: Optional[tuple],
                    causal: bool, scale: float, windowed: bool, softcap: Optional[float],
@@ -209,13 +220,8 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
     mask_kind, mask_dtype, batched, headed, per_row, table = mask_layout or (
         NO_MASK, None, False, False, False, False)
     has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
-    # Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
-    # A score_mod sees natural-unit scores, as in FlexAttention.
-    score_unit = 1.0 if mask_kind == ADDITIVE_MASK or has_score_mod else LOG2E
-    if softcap is not None:
-        score_scale, softcap_out = scale / softcap, softcap * score_unit
-    else:
-        score_scale, softcap_out = scale * score_unit, 0.0
+    score_unit, score_scale, softcap_out = score_scalars(mask_kind, has_score_mod, scale,
+                                                         softcap)
     num_worker_warps, occupancy = compiler_hints(schedule, g_tile, tile_m)
     tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
     constants = AttentionConstants(
@@ -409,9 +415,9 @@ def _contiguous_strides(shape: tuple) -> tuple:
 class BufferViews(NamedTuple):
     """How a launch views its own buffers, worked out once per plan (per-call host time):
     the shape of the packed ``(B, heads, Sq, pack, D)`` views of the queries and the output, and
-    ``(shape, strides)`` of the LSE's (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
-    one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``; None unless
-    split)."""
+    ``(shape, strides)`` of the LSE's (None unless packed), and of the key splits'
+    ``(S, B * heads, ...)`` LSEs and outputs in one fp32 workspace of ``workspace`` elements
+    (outputs from ``part_offset``; None unless split)."""
     group_rows: Optional[tuple]
     lse_rows: Optional[tuple]
     part_lse: Optional[tuple]

@@ -98,7 +98,7 @@ def in_output_layout(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when laid out as :func:`empty_output` lays it out, else such a copy
     (a gradient reaching the output arrives in the output's layout unless something between
     reshaped it)."""
-    if tensor.stride(-1) == 1 and tensor.transpose(1, 2).is_contiguous():
+    if tensor.transpose(1, 2).is_contiguous():
         return tensor
     return empty_output(tensor).copy_(tensor)
 
