@@ -26,10 +26,6 @@ from .mods import CompiledMods
 from .reference import empty_output
 from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
 
-# Query rows per block of the rows kernel (backward_kernel.attention_backward_rows).
-ROWS_TILE = 64
-
-
 @dataclass(frozen=True)
 class BackwardPlan:
     kv: AttentionConstants      # the dK/dV kernel's constants
@@ -46,9 +42,10 @@ class BackwardPlan:
 
     @functools.cached_property
     def kernels(self) -> tuple:
-        """(dK/dV kernel, dQ kernel) with this plan's compiler hints and mods."""
+        """(rows kernel, dK/dV kernel, dQ kernel) with this plan's compiler hints and mods."""
         s = self.schedule
-        return backward_kernels((s.kv_occupancy, s.kv_warps), (s.q_occupancy, s.q_warps),
+        return backward_kernels((s.rows_occupancy, s.rows_warps), (s.kv_occupancy, s.kv_warps),
+                                (s.q_occupancy, s.q_warps),
                                 None if self.mods is None else self.mods.module)
 
     @functools.cached_property
@@ -96,9 +93,10 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
 
 
 @memoize(64)
-def backward_kernels(kv_hints: tuple, q_hints: tuple, mods_module=None) -> tuple:
-    """(dK/dV kernel, dQ kernel), each with its (occupancy, worker warps), and with a mods
-    module their copies that call its mask_mod."""
+def backward_kernels(rows_hints: tuple, kv_hints: tuple, q_hints: tuple,
+                     mods_module=None) -> tuple:
+    """(rows kernel, dK/dV kernel, dQ kernel), each with its (occupancy, worker warps), and
+    with a mods module copies of the last two that call its mods."""
     import cuda.tile as ct
 
     from . import backward_kernel as source
@@ -109,7 +107,9 @@ def backward_kernels(kv_hints: tuple, q_hints: tuple, mods_module=None) -> tuple
         kernels = tuple(ct.kernel(kernel_copy_with_mods(mods_module, entry)) for entry in
                         (source.attention_backward_kv, source.attention_backward_q))
     return tuple(kernel.replace_hints(occupancy=occupancy, num_worker_warps=warps)
-                 for kernel, (occupancy, warps) in zip(kernels, (kv_hints, q_hints)))
+                 for kernel, (occupancy, warps) in zip(
+                     (source.attention_backward_rows_kernel,) + kernels,
+                     (rows_hints, kv_hints, q_hints)))
 
 
 def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Tensor,
@@ -127,7 +127,8 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
     lse_b = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
     d_lse = lse if grad_lse is None else grad_lse.float().contiguous()  # (not read: no dLse)
-    rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), ROWS_TILE,
+    rows_tile = plan.schedule.rows_tile
+    rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), rows_tile,
                  head_dim_tile(head_dim), grad_lse is not None)
     dq = torch.empty(query.shape, dtype=query.dtype, device=device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=device)
@@ -148,7 +149,7 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = (query, key, value, grad_out, lse_b, delta, dk, dv) + kv_mask + (captures,) + scalars
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
-    grids = ((math.ceil(seq_q / ROWS_TILE), heads_q, batch),
+    grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
     return rows_args, kv_args, q_args, grids, (dq, dk, dv)
@@ -172,19 +173,14 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     rows_args, kv_args, q_args, grids, grads = backward_arrays(
         plan, grad_out, query, key, value, out, lse, grad_lse, mask, diag_offset,
         window or 0, keep)
-    kv_kernel, q_kernel = plan.kernels
+    rows_kernel, kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
     stream = torch._C._cuda_getCurrentRawStream(query.device.index)
     with torch.cuda.device(query.device):
-        ct.launch(stream, grids[0], rows_kernel(), rows_args)
+        ct.launch(stream, grids[0], rows_kernel, rows_args)
         ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
         ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
     return grads
-
-
-def rows_kernel():
-    from .backward_kernel import attention_backward_rows_kernel
-    return attention_backward_rows_kernel
 
 
 def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,
@@ -208,9 +204,11 @@ def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.T
                                      + [ScalarConstraint(ct.float32)] + list(rows_args[7:]),
                                      CallingConvention.cutile_python_v2())
     buffer = io.BytesIO()
-    export_kernel(rows_kernel(), [rows_signature], buffer, gpu_code=arch, output_format="cubin")
+    export_kernel(plan.kernels[0], [rows_signature], buffer, gpu_code=arch,
+                  output_format="cubin")
     cubins = [buffer.getvalue()]
-    for args, kernel, constants in zip((kv_args, q_args), plan.kernels, plan.constant_values):
+    for args, kernel, constants in zip((kv_args, q_args), plan.kernels[1:],
+                                       plan.constant_values):
         arrays, captures = args[:-6], args[-6]
         signature = KernelSignature([array_constraint(a) for a in arrays]
                                     + [TupleConstraint([array_constraint(a) for a in captures])]

@@ -141,11 +141,12 @@ def _decoded(cls: type, values: tuple) -> Schedule:
     return cls(**decoded)
 
 
-def _check_range(name: str, value: Optional[int], low: int, high: int) -> None:
+def _check_range(name: str, value: Optional[int], low: int, high: int,
+                 owner: str = "Schedule") -> None:
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"Schedule.{name} must be an int in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{owner}.{name} must be an int in [{low}, {high}], got {value!r}")
 
 
 # Queries of at most DECODE_QUERY_ROWS rows (decode, speculative decoding) pack the query heads of
@@ -330,6 +331,11 @@ class BackwardSchedule:
         load_transposed: a tile needed as a transposed MMA operand (Q and dOut in the dK/dV
             kernel, K and V in the dQ kernel) is loaded a second time, transposed, instead of
             transposed in registers.
+        rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
+            (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
+            Without hints the compiler gave it 255 registers and one block per SM: 121 us at
+            B=4, S=4k, 32 heads, D=128 on the H200; four blocks of four warps (64 registers):
+            78 us (perf-notes step 29).
     """
     kv_keys: int
     kv_queries: int
@@ -340,18 +346,21 @@ class BackwardSchedule:
     kv_occupancy: int = 1
     q_occupancy: int = 1
     load_transposed: bool = False
+    rows_tile: int = 64
+    rows_warps: int = 4
+    rows_occupancy: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("kv_keys", "kv_queries", "q_rows", "q_keys"):
+        for name in ("kv_keys", "kv_queries", "q_rows", "q_keys", "rows_tile"):
             if getattr(self, name) not in _POWERS_OF_TWO:
                 raise ValueError(f"BackwardSchedule.{name} must be one of {_POWERS_OF_TWO}, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("kv_warps", "q_warps"):
+        for name in ("kv_warps", "q_warps", "rows_warps"):
             if getattr(self, name) not in (4, 8):
                 raise ValueError(f"BackwardSchedule.{name} must be 4 or 8, got "
                                  f"{getattr(self, name)!r}")
-        _check_range("kv_occupancy", self.kv_occupancy, 1, 32)
-        _check_range("q_occupancy", self.q_occupancy, 1, 32)
+        for name in ("kv_occupancy", "q_occupancy", "rows_occupancy"):
+            _check_range(name, getattr(self, name), 1, 32, "BackwardSchedule")
 
 
 # By the padded head dim (the backward pads 80/96/160 to the next power of two); first match.
@@ -368,9 +377,10 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
      "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
      "transposing it costs 5-20%"),
-    (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32),
+    (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32, rows_tile=32),
      "D=256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, 16 "
-     "heads against 2.44 / 1.46 with 64 x 64 dQ blocks"),
+     "heads against 2.44 / 1.46 with 64 x 64 dQ blocks; 32-row Delta blocks fit its hints' "
+     "64 registers (64 rows took 255)"),
 )
 
 

@@ -92,6 +92,19 @@ def test_bad_schedules(kwargs, pattern):
         hta.Schedule(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(rows_tile=48), r"BackwardSchedule\.rows_tile must be one of"),
+    (dict(rows_warps=2), r"BackwardSchedule\.rows_warps must be 4 or 8"),
+    (dict(rows_occupancy=0), r"BackwardSchedule\.rows_occupancy must be an int in"),
+    (dict(kv_occupancy=33), r"BackwardSchedule\.kv_occupancy must be an int in"),
+])
+def test_bad_backward_schedules(kwargs, pattern):
+    from hf_tiled_attention.schedule import BackwardSchedule
+
+    with pytest.raises(ValueError, match=pattern):
+        BackwardSchedule(**dict(dict(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64), **kwargs))
+
+
 @pytest.mark.parametrize("field", ["heavy_first", "pack_gqa", "split_head_dim"])
 def test_schedule_flags_must_be_bool(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool"):
