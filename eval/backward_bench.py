@@ -271,6 +271,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", nargs="+", default=["standard", "padded", "variants"],
                         choices=list(PRESETS))
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"],
+                        help="only the presets' points of these dtypes")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cpu-seq", type=int, default=96,
@@ -298,6 +300,8 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=".*reference path.*")
         for preset in args.preset:
             for point in PRESETS[preset]():
+                if point[1] not in args.dtype:
+                    continue
                 if not on_gpu and (point[0], point[1]) in seen:
                     continue  # on a CPU: one point per variant and dtype
                 seen.add((point[0], point[1]))

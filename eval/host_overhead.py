@@ -12,7 +12,8 @@ attention function as a model layer does (decode: one query against the cache).
 Without a GPU, ``--stub-launch`` times the host path alone (on any machine): the op takes its
 kernel path on CPU tensors with ``cuda.tile.launch`` a no-op, so every line is Python and torch
 work the host does before the GPU sees a launch (the two ``ct.launch`` calls themselves, about
-10-13 us each on the H200 host, are not in it). Everything is timed under ``torch.no_grad()``:
+10-13 us each on the H200 host, are not in it). Everything but the training row (a forward
+that autograd records, and its backward) is timed under ``torch.no_grad()``:
 
     python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
 
@@ -121,8 +122,19 @@ def main(argv=None) -> int:
         num_key_value_groups = hq // hkv
 
     layer = Layer().eval()
+    # Training (the one path timed with grad enabled): the forward as autograd records it,
+    # and its backward.
+    q_grad, k_grad, v_grad = (t.detach().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn_like(q)
+
+    def forward_and_backward():
+        with torch.enable_grad():
+            out = hta.tiled_attention(q_grad, k_grad, v_grad, is_causal=True)
+            torch.autograd.grad(out, (q_grad, k_grad, v_grad), grad_out)
+
     tiled_paths = {
         "tiled_attention": lambda: hta.tiled_attention(q, k, v, is_causal=True),
+        "training fwd + bwd": forward_and_backward,
         "torch.ops custom op": lambda: torch.ops.hf_tiled_attention.attention(
             q, k, v, None, 0, True, scale, 0, 0.0, args.seq - seq_q, hta.Schedule().as_list(),
             None, [], False),

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from .kernel_params import MASK_MOD, NO_MASK, AttentionConstants
-from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, placeholders,
-                     score_scalars)
+from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, launch_device,
+                     placeholders, score_scalars)
 from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
@@ -176,7 +176,7 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     rows_kernel, kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
     stream = torch._C._cuda_getCurrentRawStream(query.device.index)
-    with torch.cuda.device(query.device):
+    with launch_device(query.device):
         ct.launch(stream, grids[0], rows_kernel, rows_args)
         ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
         ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))

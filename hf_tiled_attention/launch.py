@@ -9,6 +9,7 @@ dispatch without a GPU. :func:`launch_arrays` builds the arrays a launch passes 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -517,12 +518,18 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     keep = may_keep_device_memory(eager, device)
     arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
 
-    if device.index == torch.cuda.current_device():
+    with launch_device(device):
         _launch(ct, stream, plan, arrays)
-    else:  # the launch goes to the current device's context
-        with torch.cuda.device(device):
-            _launch(ct, stream, plan, arrays)
     return arrays.out, arrays.lse
+
+
+def launch_device(device: torch.device):
+    """The context a launch on ``device`` runs in: cuTile launches into the current device's
+    context, so another device is made current for it; nothing when ``device`` already is
+    (entering ``torch.cuda.device`` costs host time on every call)."""
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _launch(ct, stream: int, plan: LaunchPlan, arrays: LaunchArrays) -> None:

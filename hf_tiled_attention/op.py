@@ -1,9 +1,13 @@
 """The public op, ``tiled_attention``, and the torch custom op behind it.
 
-``tiled_attention`` checks its arguments, compacts the mask and calls
-``torch.ops.hf_tiled_attention.attention``: a ``torch.library`` custom op with a fake
-implementation (so ``torch.compile(fullgraph=True)`` traces through it) whose real implementation
-launches the cuTile kernel on a capable GPU and runs the reference algorithm elsewhere.
+``tiled_attention`` checks its arguments, compacts the mask and runs one implementation
+(``_forward``: the cuTile kernel on a capable GPU, the reference algorithm elsewhere; its
+backward, ``backward``, likewise) by one of three routes: a traced call (``torch.compile``)
+goes through ``torch.ops.hf_tiled_attention.attention``, a ``torch.library`` custom op with a
+fake implementation and a registered backward op; an eager call that autograd records goes
+through ``_EagerAttention``, an ``autograd.Function``; eager inference calls it directly. The
+two eager routes skip the dispatcher, whose round trips cost more host time than a short
+call's kernels take.
 """
 
 from __future__ import annotations
@@ -166,24 +170,62 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, *(mods.captures if mods else ())))
-    if torch.compiler.is_compiling() or needs_grad:
-        # Traced graphs need the registered op (fake impl); so does autograd (the op's backward
-        # is registered below). Mods cross as their generated code's key and their captured
-        # tensors.
+    if torch.compiler.is_compiling():
+        # Traced graphs need the registered op (fake impl; its backward is registered below).
+        # Mods cross as their generated code's key and their captured tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
             query, key, value, None if mask is None else mask.tensor,
             NO_MASK if mask is None else mask.kind, causal, float(scale), window or 0,
             float(softcap or 0.0), int(diag_offset), schedule.as_list(),
             None if mods is None else mods.key, [] if mods is None else list(mods.captures),
-            not torch.compiler.is_compiling())
+            False)
+        return out, (lse if return_lse else None)
+    captures = () if mods is None else mods.captures
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *captures)):
+        out, lse = _EagerAttention.apply(query, key, value, mask, mods, (
+            causal, float(scale), window or None, softcap or None, int(diag_offset), schedule,
+            key_mask_table), *captures)
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
                     mods)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager autograd's route to the forward and backward implementations (traced graphs take
+    the registered ops): the same functions without the two dispatcher round trips of the
+    registered op and its backward, which cost more host time than the kernels of a short
+    layer take (eval/host_overhead.py's training row)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, mods, options, *captures):
+        causal, scale, window, softcap, diag_offset, schedule, key_mask_table = options
+        out, lse = _forward(query, key, value, mask, causal, scale, window, softcap,
+                            diag_offset, schedule, True, key_mask_table, mods)
+        # (the mask's tensor too: autograd then refuses a backward after it changed in place)
+        ctx.save_for_backward(query, key, value, out, lse, *captures,
+                              *(() if mask is None else (mask.tensor,)))
+        ctx.mask, ctx.mods, ctx.options = mask, mods, options
+        ctx.set_materialize_grads(False)  # an unused LSE brings no zero gradient to read
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors[:5]
+        causal, scale, window, softcap, diag_offset, _, _ = ctx.options
+        learnable = list(ctx.needs_input_grad[6:])
+        if grad_out is None:  # only the LSE was used
+            grad_out = torch.zeros_like(out)
+        grads = backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse,
+                         ctx.mask, causal=causal, scale=scale, window=window, softcap=softcap,
+                         diag_offset=diag_offset, mods=ctx.mods, learnable=learnable,
+                         keep=may_keep_device_memory(True, query.device))
+        learned = iter(grads[3:])
+        return (grads[0], grads[1], grads[2], None, None, None,
+                *(next(learned) if flag else None for flag in learnable))
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor,
@@ -204,8 +246,9 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   window: int, softcap: float, diag_offset: int, schedule: list[int],
                   mods_key: Optional[str], captures: list[torch.Tensor], eager: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``eager``: called from eager code (autograd's route), not from a traced graph; such a
-    call may keep its block tables for the next (memo.may_keep_device_memory). No default
+    """``eager``: called from eager code (a direct call: the package's own eager routes do not
+    come here), not from a traced graph; such a call may keep its block tables for the next
+    (memo.may_keep_device_memory). No default
     value: the dispatcher drops trailing arguments equal to their defaults, and autograd then
     expects one gradient fewer."""
     compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
@@ -343,11 +386,11 @@ def _attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: tor
                            eager: bool) -> list[torch.Tensor]:
     """``[dq, dk, dv, *(d capture for each capture flagged learnable)]``."""
     compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
+    mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     return backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse, compact,
                     causal=causal, scale=scale, window=window or None,
-                    softcap=softcap or None, diag_offset=diag_offset, mods_key=mods_key,
-                    captures=captures, learnable=learnable,
-                    keep=may_keep_device_memory(eager, query.device))
+                    softcap=softcap or None, diag_offset=diag_offset, mods=mods,
+                    learnable=learnable, keep=may_keep_device_memory(eager, query.device))
 
 
 @_attention_backward_op.register_fake
@@ -363,16 +406,15 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask], *, causal: bool,
              scale: float, window: Optional[int], softcap: Optional[float], diag_offset: int,
-             mods_key: Optional[str] = None, captures: Sequence[torch.Tensor] = (),
-             learnable: Sequence[bool] = (), keep: bool = False) -> list[torch.Tensor]:
+             mods: Optional[CompiledMods] = None, learnable: Sequence[bool] = (),
+             keep: bool = False) -> list[torch.Tensor]:
     """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
     reference backward elsewhere and for a score_mod the kernels cannot run (one whose
     derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
     grad: there the derivative is a vector-Jacobian product of its torch twin, which also
     gives the gradients of the learnable tensors it reads: ``learnable[i]`` flags
-    ``captures[i]``). ``keep``: the block tables made may be
+    ``mods.captures[i]``). ``keep``: the block tables made may be
     kept for later calls (memo.may_keep_device_memory)."""
-    mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     if mods is not None and mods.mask_mod is not None:
         mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                         query.device, keep=keep)
@@ -392,7 +434,7 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     dq, dk, dv, d_learnable = reference_attention_backward(
         grad_out, query, key, value, out, lse, grad_lse, mask, causal=causal, scale=scale,
         window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=slots)
-    return [dq, dk, dv] + [grad.to(captures[slot].dtype)
+    return [dq, dk, dv] + [grad.to(mods.captures[slot].dtype)
                            for grad, slot in zip(d_learnable, slots)]
 
 

@@ -113,6 +113,40 @@ def test_backward_through_return_lse_only():
     assert torch.allclose(q.grad.double(), exact.grad, atol=1e-5)
 
 
+def test_eager_backward_gets_only_the_gradients_used(monkeypatch):
+    """Eager training (op._EagerAttention): an unused LSE brings no zero gradient for the
+    kernels to read (grad_lse None), an unused output a zero one; both routes agree with the
+    registered op's autograd (what compiled graphs run), called directly."""
+    from hf_tiled_attention import op
+
+    seen = []
+    original = op.backward
+    monkeypatch.setattr(op, "backward", lambda grad_out, *args, **kwargs: seen.append(
+        (grad_out.abs().sum().item(), args[5])) or original(grad_out, *args, **kwargs))
+    q = torch.randn(1, 4, 24, 16, requires_grad=True)
+    k = torch.randn(1, 2, 24, 16, requires_grad=True)
+    g = torch.randn(1, 4, 24, 16)
+    out = hta.tiled_attention(q, k, k, is_causal=True)
+    eager = torch.autograd.grad(out, (q, k), g)
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] is None
+    out, _ = torch.ops.hf_tiled_attention.attention(q, k, k, None, 0, True, 0.25, 0, 0.0, 0,
+                                                   hta.Schedule().as_list(), None, [], True)
+    registered = torch.autograd.grad(out.transpose(1, 2), (q, k), g.transpose(1, 2))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(eager, registered))
+    _, lse = hta.tiled_attention(q, k, k, is_causal=True, return_lse=True)
+    torch.autograd.grad(lse.sum(), (q, k))
+    assert seen[-1][0] == 0 and seen[-1][1] is not None
+
+
+def test_eager_backward_refuses_a_mask_changed_in_place():
+    q = torch.randn(1, 2, 16, 16, requires_grad=True)
+    keys = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    out = hta.tiled_attention(q, q, q, keys)
+    keys[..., 3] = False
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_mask_mod_tables_are_built_once_across_op_calls(monkeypatch):
     """The registered ops rebuild their CompiledMods per call; a mask_mod's block tables must
     still be built once per mod and shape (eager calls keep them: forward, then backward)."""
@@ -196,7 +230,6 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, on_kernels):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
         op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
-                    window=None, softcap=None, diag_offset=0, mods_key=compiled.key,
-                    captures=list(compiled.captures),
+                    window=None, softcap=None, diag_offset=0, mods=compiled,
                     learnable=[learnable] * len(compiled.captures))
     assert len(calls) == (1 if on_kernels else 0)

@@ -308,8 +308,8 @@ def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
     # A decode call: keys split over blocks, query heads packed; one line per host path.
     assert lines[0].startswith("plan: grid (") and "kv_splits 1," not in lines[0]
     timed = {line[:22].strip(): float(line.split("host/call")[1].split()[0]) for line in lines[1:]}
-    assert set(timed) == {"tiled_attention", "torch.ops custom op", "run_kernel only",
-                          "transformers tiled", "launch_arrays only"}
+    assert set(timed) == {"tiled_attention", "training fwd + bwd", "torch.ops custom op",
+                          "run_kernel only", "transformers tiled", "launch_arrays only"}
     assert all(us > 0 for us in timed.values())
     # The stubs are gone afterwards, and no plan made under them is left for real calls.
     assert ct.launch is launch and not op.kernel_available(torch.device("cpu"))
