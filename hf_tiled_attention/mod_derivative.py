@@ -1,8 +1,9 @@
 """The derivative of a translated score_mod in its score, by symbolic differentiation.
 
-The backward needs ``d mod(s) / d s`` per score: dS = P * (dP - Delta) * mod'(s). mods.py
-translates a score_mod into one expression of its arguments (its assignments substituted), in
-cuTile's names (``ct.tanh``) and in torch's (``torch.tanh``); :func:`score_derivative` turns
+The backward needs ``d mod(s) / d s`` per score: dS = P * (dP - Delta) * mod'(s). The
+translator (mod_translator.py) turns a score_mod into one expression of its arguments (its
+assignments substituted), in cuTile's names (``ct.tanh``) and in torch's (``torch.tanh``);
+:func:`score_derivative` turns
 that expression into the expression of its derivative, in the same names, so the same
 translation feeds the kernels (``score_mod_grad``) and the torch twin the tests check it with
 (``score_mod_grad_torch``). What the translator accepts is covered: ``+ - * /``, ``**`` by a
