@@ -151,6 +151,7 @@ class Translator:
         self.captures: list[torch.Tensor] = []
         self.paths: list[tuple] = []                  # per slot: (role, steps...) to the tensor
         self.guards: list[Callable[[], bool]] = []    # "the captures are still the same"
+        self.aliases: list[tuple] = []                # (slot, another path to its tensor)
         self._functions: dict = {}                    # (id(fn), static args) -> name
         self._alive: list = []                        # keeps those ids unique
         self.twins: dict = {}                         # name -> (twin def, function)
@@ -204,6 +205,8 @@ class Translator:
     def slot(self, tensor: torch.Tensor, where: str, path: tuple) -> int:
         for index, held in enumerate(self.captures):
             if held is tensor:
+                if path != self.paths[index]:  # one slot reached another way too
+                    self.aliases.append((index, path))
                 return index
         if tensor.dtype not in _CAPTURE_DTYPES:
             raise ModError(f"{where}: captured tensor has dtype {tensor.dtype}; the kernel "

@@ -32,13 +32,13 @@ mod, the file and the line, on the CPU as on the GPU.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import importlib.util
 import math
 import os
 import sys
 import types
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -53,7 +53,7 @@ __all__ = ["CompiledMods", "ModError", "compile_mods", "conjuncts", "follow", "i
 _ROLES = (("score_mod", SCORE_MOD_PARAMS), ("mask_mod", MASK_MOD_PARAMS))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class CompiledMods:
     """A call's mods, translated. ``key`` names the generated code (same text, same kernel);
     ``captures`` are the tensors the launch passes, in slot order; ``module`` holds cuTile's
@@ -109,7 +109,8 @@ class CompiledMods:
 def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
                  fast_math: bool = False) -> CompiledMods:
     """Translates the mods (memoised per pair of function objects while what their closures
-    capture stays the same objects). ``fast_math`` (for 16-bit inputs, whose probabilities are
+    capture stays the same objects, and per :func:`structure`, whose new closures only read
+    their tensors again). ``fast_math`` (for 16-bit inputs, whose probabilities are
     rounded more coarsely than this anyway): in the kernel ``torch.tanh`` becomes the
     hardware's approximate tanh (relative error about 2**-11, one instruction) and a division
     by a number a multiplication by its reciprocal (an IEEE division is a dozen instructions per
@@ -118,23 +119,44 @@ def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
     cached = _memo.get(memo_key)
     if cached is not None and all(still() for still in cached[1]):
         return cached[0]
+    shape_key = (structure(score_mod), structure(mask_mod), fast_math)
+    template = _templates.get(shape_key)
+    if template is not None:
+        compiled = _retargeted(template, score_mod, mask_mod)
+        if compiled is not None:
+            return compiled
     translation = _translate(score_mod, mask_mod, fast_math)
     compiled = CompiledMods(translation.key, load_generated(translation.key, translation.source),
                             tuple(translation.captures), str(generated_path(translation.key)),
                             translation.names, tuple(translation.paths))
     _memo.put(memo_key, (compiled, translation.guards))
+    _templates.put(shape_key, (compiled, tuple(translation.aliases)))
     return compiled
 
 
-# (score_mod, mask_mod, fast_math) -> (CompiledMods, guards). Keyed by the function objects:
-# the transformers adapter makes new closures (holding per-forward tensors) every forward.
+# (score_mod, mask_mod, fast_math) -> (CompiledMods, guards). Keyed by the function objects.
 _memo = Memo("translated mods", 256)
+# (structure of each, fast_math) -> (CompiledMods, aliases): the transformers adapter makes new
+# closures (holding per-forward tensors) every forward; their translation is the same text.
+_templates = Memo("translated mods by structure", 256)
+
+
+def _retargeted(template: tuple, score_mod, mask_mod) -> Optional[CompiledMods]:
+    """The template's translation with the tensors these functions capture (found by the
+    template's capture paths), or None when two paths that led to one tensor there lead to two
+    here (the translation shares one slot between them)."""
+    compiled, aliases = template
+    roots = {"score_mod": score_mod, "mask_mod": mask_mod}
+    captures = tuple(follow(roots[path[0]], path[1:]) for path in compiled.paths)
+    if any(follow(roots[path[0]], path[1:]) is not captures[slot] for slot, path in aliases):
+        return None
+    return dataclasses.replace(compiled, captures=captures)
 
 
 class _Translation:
-    def __init__(self, source, captures, paths, guards, names):
+    def __init__(self, source, captures, paths, guards, names, aliases):
         self.source, self.captures, self.paths = source, captures, paths
-        self.guards, self.names = guards, names
+        self.guards, self.names, self.aliases = guards, names, aliases
         self.key = hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
@@ -161,7 +183,7 @@ def _translate(score_mod, mask_mod, fast_math: bool) -> _Translation:
                         _TWIN_HELPERS] + translator.definitions + entries
                        + [f"NAMES = {', '.join(names)!r}"]) + "\n"
     return _Translation(source, translator.captures, translator.paths, translator.guards,
-                        ", ".join(names))
+                        ", ".join(names), translator.aliases)
 
 
 # Twin versions of the builtins a mod may call on per-element values (torch.minimum wants

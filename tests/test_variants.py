@@ -72,6 +72,36 @@ def test_translation_shares_kernels_between_equal_closures():
     assert other.key != compile_mods(variants.softcap(30.0), None).key  # constants are code
 
 
+def _same_document(ids_q, ids_k):
+    def same_document(b, h, q_idx, kv_idx):
+        return ids_q[q_idx] == ids_k[kv_idx]
+    return same_document
+
+
+def test_new_closures_of_one_structure_are_not_translated_again(monkeypatch):
+    """The transformers adapter makes new closures every forward: one translation per
+    structure, each call reading its own tensors (and a closure whose two captured tensors the
+    first translation shared as one slot, because they were one tensor there, translated
+    again)."""
+    from hf_tiled_attention import mod_translator
+
+    translated = []
+    original = mod_translator.Translator.function
+    monkeypatch.setattr(mod_translator.Translator, "function", lambda self, fn, *args, **kw: (
+        translated.append(fn) or original(self, fn, *args, **kw)))
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    first = compile_mods(None, _same_document(ids, ids))
+    assert len(translated) == 1 and len(first.captures) == 1
+    other = torch.tensor([0, 1, 1, 2, 2])
+    second = compile_mods(None, _same_document(other, other))
+    assert len(translated) == 1 and second.key == first.key and second.captures[0] is other
+    q_idx, kv_idx = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    assert torch.equal(second.mask_mod(0, 0, q_idx, kv_idx), other[:, None] == other[None, :])
+    apart = compile_mods(None, _same_document(ids, other))  # two tensors: two slots
+    assert len(translated) == 2 and len(apart.captures) == 2 and apart.key != first.key
+    assert torch.equal(apart.mask_mod(0, 0, q_idx, kv_idx), ids[:, None] == other[None, :])
+
+
 def test_translation_memo_is_bounded():
     """Each forward of the transformers adapter makes new closures (holding its tensors): the
     memo of translations must not keep them all."""
