@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     paths.update({
         "bare ct.launch": lambda: ct.launch(stream, plan.grid, kernel,
                                             arrays.attention + plan.scalars
-                                            + plan.variant.constants),
+                                            + (plan.variant.constant_values,)),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal_sdpa,
                                                        enable_gqa=True),
         "transformers sdpa": lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
