@@ -115,3 +115,36 @@ def test_packed_rows_run_as_a_mask_mod_under_compile(op_calls):
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
     traced = op_calls[:tiled.config.num_hidden_layers]
     assert all(mods is not None and mask is None for mask, mods in traced), traced
+
+
+def test_compiled_forward_without_cache_keeps_the_key_vector_given_a_mask(monkeypatch):
+    """Traced without a cache, transformers cannot tell packed rows from one sequence (its
+    check is data-dependent) and hands every mask function its packed-rows overlay, which the
+    adapter cannot read under torch.compile: with no attention_mask, the mask is dense, as
+    sdpa's is. An attention_mask (all ones) keeps the kernel's rule and a key vector: this is
+    the README's advice for compiled training, and it must stay true."""
+    from hf_tiled_attention import transformers_mask
+
+    _MADE.clear()
+    monkeypatch.setattr(transformers_mask.TiledMask, "__init__", _recording_init(
+        transformers_mask.TiledMask.__init__))
+    made = _MADE
+    tiled, eager = pair("llama")
+    ids, _ = padded_batch([16], 16, seed=12)
+    ones = torch.ones_like(ids)
+    compiled = torch.compile(tiled, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = compiled(ids, attention_mask=ones, use_cache=False).logits
+        ref = eager(ids, use_cache=False).logits
+    assert made and set(made) == {"rule"}
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+_MADE: list = []  # (module-level: what dynamo replays of a traced call's side effects)
+
+
+def _recording_init(original):
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _MADE.append("dense" if self.dense is not None else "rule")
+    return init
