@@ -3,9 +3,10 @@
 For each backend it starts `ncu --clock-control none --profile-from-start off` on this script's
 `--workload` mode, which calls the backend once to warm up and once more between
 cudaProfilerStart and Stop, so only that call's kernels are profiled (`--backward`: the
-backward's). The raw metrics of every profiled kernel go to `ncu_raw_<backend>.csv`; `ncu_summary.csv` keeps the ones that say where a kernel's time goes:
-duration, SM and tensor-pipe utilisation, issue activity, occupancy, registers, and the
-largest warp-stall reasons.
+backward's). The raw metrics of every profiled kernel go to `ncu_raw_<backend>.csv`;
+`ncu_summary.csv` keeps the ones that say where a kernel's time goes: duration, SM and
+tensor-pipe utilisation, issue activity, occupancy, registers, and the largest warp-stall
+reasons.
 
     python eval/ncu_profile.py                                  # B=4 32/8 S=4096 D=128 bf16
     python eval/ncu_profile.py --causal --backends tiled sdpa_cudnn
