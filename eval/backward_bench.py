@@ -164,8 +164,8 @@ def reference_grads(spec: dict, q, k, v, d_out) -> tuple:
                    window=None, softcap=mods.get("softcap"), diag_offset=0)
     score_mod = None if compiled is None else compiled.score_mod
     out, lse = reference_attention(q0, k0, v0, mask, score_mod=score_mod, **options)
-    dq, dk, dv, _ = reference_attention_backward(do0, q0, k0, v0, out, lse, None, mask,
-                                                 mods=compiled, **options)
+    dq, dk, dv, _, _ = reference_attention_backward(do0, q0, k0, v0, out, lse, None, mask,
+                                                    mods=compiled, **options)
     return dq, dk, dv
 
 

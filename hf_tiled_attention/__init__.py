@@ -3,6 +3,7 @@ PyTorch, with a schedule you edit from Python."""
 
 import importlib.util as _importlib_util
 
+from .determinism import deterministic, set_deterministic
 from .memo import cache_sizes, clear_caches
 from .op import kernel_available, tiled_attention
 from .schedule import Schedule, default_schedule, use_schedule
@@ -23,6 +24,7 @@ else:
         """Register the transformers backend (needs transformers >= 5.17)."""
         raise ImportError("hf_tiled_attention.register needs the `transformers` package")
 
-__all__ = ["Schedule", "cache_sizes", "clear_caches", "default_schedule", "kernel_available",
-           "register", "tiled_attention", "use_schedule"]
+__all__ = ["Schedule", "cache_sizes", "clear_caches", "default_schedule", "deterministic",
+           "kernel_available", "register", "set_deterministic", "tiled_attention",
+           "use_schedule"]
 __version__ = "0.1.0"

@@ -33,8 +33,8 @@ import math
 import cuda.tile as ct
 
 from . import kernel_params as P
-from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
-                            TILE_FULL, TILE_PARTIAL)
+from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
+                            NO_MASK_GRAD, TILE_EMPTY, TILE_FULL, TILE_PARTIAL)
 from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges
 from .visibility import clip_tiles, query_tiles, visible
 
@@ -58,7 +58,7 @@ def _mask_mod(b, h, q_idx, kv_idx, captures):
 # cuTile's calling convention: arrays and run-time scalars each a parameter, the compile-time
 # constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (attention_backward_rows).
 def attention_backward_kv(
-    Q, K, V, dOut, LseB, Delta, dK, dV, Mask, TileState, TileRange, Captures,
+    Q, K, V, dOut, LseB, Delta, dK, dV, dQAdd, DMask, Mask, TileState, TileRange, Captures,
     score_scale: float,   # multiplies q.k as in the forward (scale * SCORE_UNIT, or scale/softcap)
     softcap_out: float,   # softcap * SCORE_UNIT when SOFTCAP
     grad_scale: float,    # d(score)/d(q.k) outside softcap's tanh: the scale
@@ -110,7 +110,7 @@ def attention_backward_kv(
                 gap_hi = i_end
         rows = (k, v, kv_idx, row_in_tile)
         where = (batch, head, mask_b, mask_h, n_tile, key_state)
-        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures)
+        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale)
         scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
         if ROW_TABLE:
             for i in range(i_first, gap_lo):
@@ -135,7 +135,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     dk, dv = grads
     k, v, kv_idx, row_in_tile = rows
     batch, head, mask_b, mask_h, n_tile, key_state = where
-    Q, dOut, LseB, Delta, Mask, TileState, Captures = arrays
+    Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale = arrays
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
     TILE_D = C[P.TILE_D]
@@ -164,10 +164,18 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         dv = mma(p.astype(dOut.dtype), do, dv)
         dp = mma(v, _transposed(dOut, do, batch, head, i, TILE_M, TILE_D, C),
                  ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
-        ds = _score_grads(p, dp, delta.reshape((1, TILE_M)), tanh, C)
+        ds = p * (dp - delta.reshape((1, TILE_M)))
+        if C[P.MASK_GRAD] != NO_MASK_GRAD:
+            _add_mask_grad(DMask, ds, batch, head, i, n_tile, C)
+        ds = _through_softcap(ds, tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
-        dk = mma(ds.astype(Q.dtype), q, dk)
+        ds = ds.astype(Q.dtype)
+        dk = mma(ds, q, dk)
+        if C[P.DQ_ADD]:
+            dq = mma(ct.transpose(ds), k, ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32))
+            dQAdd.tiled_view((1, 1, TILE_M, TILE_D)).atomic_store_add(
+                (batch, head, i, 0), (dq * grad_scale).reshape((1, 1, TILE_M, TILE_D)))
     return dk, dv
 
 
@@ -253,7 +261,7 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         p = _probabilities(s, lse, C)
         dp = mma(do, _transposed(V, v, batch, kv_head, j, TILE_N, TILE_D, C),
                  ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-        ds = _score_grads(p, dp, delta, tanh, C)
+        ds = _through_softcap(p * (dp - delta), tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
         dq = mma(ds.astype(K.dtype), k, dq)
@@ -368,9 +376,28 @@ def _through_score_mod(ds, p, score, batch, head, q_idx, kv_idx, Captures):
                     0.0)
 
 
-def _score_grads(p, dp, delta, tanh, C):
-    """dLoss/d(q.k) up to the scale: ``P * (dP - Delta)``, times softcap's tanh derivative."""
-    ds = p * (dp - delta)
+def _through_softcap(ds, tanh, C):
+    """The scores' gradient ``P * (dP - Delta)`` carried through softcap's tanh: dLoss/d(q.k)
+    up to the scale (without softcap, ``ds`` itself)."""
     if C[P.SOFTCAP]:
-        ds = ds * (1.0 - tanh * tanh)
+        return ds * (1.0 - tanh * tanh)
     return ds
+
+
+def _add_mask_grad(DMask, ds, batch, head, i, n_tile, C):
+    """Adds the scores' gradient on the transposed tile (keys x queries) of query tile ``i``,
+    key tile ``n_tile``, to the additive mask's gradient ``DMask`` (fp32, zeroed; its batch and
+    head dims are 1 or full, and its rows are the query rows or, with MASK_GRAD_ROW_SUMS, one
+    per query tile or one for all): an additive mask's gradient is the scores' gradient, summed
+    over the dims it broadcasts. TMA reduce-adds, so blocks that share a target need no lock."""
+    TILE_M = C[P.TILE_M]
+    TILE_N = C[P.TILE_N]
+    target_b = batch % DMask.shape[0]
+    target_h = head % DMask.shape[1]
+    if C[P.MASK_GRAD] == MASK_GRAD_ROWS:
+        DMask.tiled_view((1, 1, TILE_M, TILE_N)).atomic_store_add(
+            (target_b, target_h, i, n_tile), ct.transpose(ds).reshape((1, 1, TILE_M, TILE_N)))
+    else:
+        DMask.tiled_view((1, 1, 1, TILE_N)).atomic_store_add(
+            (target_b, target_h, i % DMask.shape[2], n_tile),
+            ct.sum(ds, axis=1).reshape((1, 1, 1, TILE_N)))

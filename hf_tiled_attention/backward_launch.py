@@ -17,7 +17,9 @@ from typing import Optional
 
 import torch
 
-from .kernel_params import MASK_MOD, NO_MASK, AttentionConstants
+from .determinism import deterministic
+from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
+                            NO_MASK_GRAD, AttentionConstants)
 from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, launch_device,
                      placeholders, score_scalars)
 from .masks import CompactMask, ModMask
@@ -29,12 +31,13 @@ from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
 @dataclass(frozen=True)
 class BackwardPlan:
     kv: AttentionConstants      # the dK/dV kernel's constants
-    q: AttentionConstants       # the dQ kernel's
+    q: AttentionConstants       # the dQ kernel's (not launched when kv.DQ_ADD)
     schedule: BackwardSchedule
     score_scale: float
     softcap_out: float
     grad_scale: float
     mods: Optional[CompiledMods]
+    deterministic: bool         # mask gradients summed by torch, not by reduce-adds
 
     @property
     def score_unit(self) -> float:
@@ -67,14 +70,22 @@ def mask_layout(mask) -> Optional[tuple]:
 def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optional[tuple],
                   causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                   mods: Optional[CompiledMods] = None,
-                  schedule: Optional[BackwardSchedule] = None) -> BackwardPlan:
-    """The plan of every call with these properties (the forward's scalars and constants)."""
+                  schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
+                  deterministic: bool = True) -> BackwardPlan:
+    """The plan of every call with these properties (the forward's scalars and constants).
+    ``mask_grad``: the dK/dV kernel also writes the additive mask's gradient; ``deterministic``:
+    dQ by its own kernel (bitwise reproducible), else as the schedule says."""
     schedule = schedule or backward_schedule(head_dim)
     kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
     has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
     unit, score_scale, softcap_out = score_scalars(kind, has_score_mod, scale, softcap)
 
-    def constants(tile_m: int, tile_n: int) -> AttentionConstants:
+    dq_add = schedule.dq_add and not deterministic
+    mask_grad_mode = NO_MASK_GRAD
+    if mask_grad:
+        mask_grad_mode = MASK_GRAD_ROWS if per_row else MASK_GRAD_ROW_SUMS
+
+    def constants(tile_m: int, tile_n: int, in_kv_kernel: bool) -> AttentionConstants:
         return AttentionConstants(
             GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=head_dim_tile(head_dim),
             TAIL_D=0, CAUSAL=bool(causal), WINDOWED=bool(windowed),
@@ -85,11 +96,14 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             MASK_KIND=kind, MASK_BATCHED=batched, MASK_HEADED=headed, MASK_ROWS=per_row,
             MASK_TABLE=kind != NO_MASK, SCORE_UNIT=unit, FOLD_SCALE=False, WRITE_LSE=False,
             HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,
-            LOAD_TRANSPOSED=schedule.load_transposed)
+            LOAD_TRANSPOSED=schedule.load_transposed,
+            MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
+            DQ_ADD=dq_add and in_kv_kernel)
 
-    return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys),
-                        constants(schedule.q_rows, schedule.q_keys), schedule,
-                        float(score_scale), float(softcap_out), float(scale), mods)
+    return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys, True),
+                        constants(schedule.q_rows, schedule.q_keys, False), schedule,
+                        float(score_scale), float(softcap_out), float(scale), mods,
+                        deterministic)
 
 
 @memoize(64)
@@ -118,8 +132,10 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                     mask: Optional[CompactMask | ModMask], diag_offset: int, window: int,
                     keep: bool = False):
     """``(rows kernel arguments, kv arrays + scalars, q arrays + scalars, grids (rows, kv, q),
-    (dq, dk, dv))`` of one backward (``out`` and ``grad_out`` with unit stride along D, any
-    other strides);
+    (dq, dk, dv, d_mask))`` of one backward (``out`` and ``grad_out`` with unit stride along
+    D, any other strides). With ``plan.kv.DQ_ADD`` ``dq`` is the fp32 array the dK/dV kernel
+    adds into; with ``plan.kv.MASK_GRAD`` ``d_mask`` is the fp32 array it adds the mask's
+    gradient into (see :func:`mask_grad_buffer`), else None.
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
@@ -130,10 +146,18 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     rows_tile = plan.schedule.rows_tile
     rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), rows_tile,
                  head_dim_tile(head_dim), grad_lse is not None)
-    dq = torch.empty(query.shape, dtype=query.dtype, device=device)
+    unused = placeholders(device, 3, keep)
+    unused_4d = placeholders(device, 4, keep).lse  # (fp32)
+    if plan.kv.DQ_ADD:  # added into by every key tile's block
+        dq = torch.zeros(query.shape, dtype=torch.float32, device=device)
+    else:
+        dq = torch.empty(query.shape, dtype=query.dtype, device=device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=device)
-    unused = placeholders(device, 3, keep)
+    d_mask = None
+    if plan.kv.MASK_GRAD != NO_MASK_GRAD:
+        d_mask = mask_grad_buffer(mask.tensor.shape, query.shape, plan.kv.TILE_M,
+                                  plan.deterministic, device)
     kv_mask = q_mask = (unused.mask, unused.states, unused.ranges)
     if mask is not None:
         tensor = unused.mask
@@ -147,12 +171,36 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
                int(window))
     heads_kv, seq_kv = key.shape[1], key.shape[2]
-    kv_args = (query, key, value, grad_out, lse_b, delta, dk, dv) + kv_mask + (captures,) + scalars
+    kv_args = ((query, key, value, grad_out, lse_b, delta, dk, dv,
+                dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
+               + kv_mask + (captures,) + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
     grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
-    return rows_args, kv_args, q_args, grids, (dq, dk, dv)
+    return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask)
+
+
+def mask_grad_buffer(mask_shape: tuple, query_shape: tuple, tile_m: int, deterministic: bool,
+                     device: torch.device) -> torch.Tensor:
+    """The zeroed fp32 array the dK/dV kernel adds an additive mask's gradient into. Its key
+    dim is the mask's; its rows the mask's (Sq or 1), or with one mask row and
+    ``deterministic`` one per query tile of the kernel. ``deterministic``: full batch and
+    head dims, so that each element gets one add (exact: 0 + x) and torch sums the rest in a
+    fixed order; else the mask's own batch and head dims, where blocks that share an element
+    add in any order (the last bits vary run to run). :func:`summed_mask_grad` reduces it to
+    the mask's shape."""
+    batch, heads_q, seq_q, _ = query_shape
+    mask_batch, mask_heads, mask_rows, seq_kv = mask_shape
+    if not deterministic:
+        return torch.zeros(mask_shape, dtype=torch.float32, device=device)
+    rows = mask_rows if mask_rows > 1 else math.ceil(seq_q / tile_m)
+    return torch.zeros((batch, heads_q, rows, seq_kv), dtype=torch.float32, device=device)
+
+
+def summed_mask_grad(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mask's gradient, in its dtype, from :func:`mask_grad_buffer`'s array."""
+    return buffer.sum_to_size(mask.shape).to(mask.dtype)
 
 
 def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -160,16 +208,17 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask | ModMask], *,
                  causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
                  diag_offset: int, mods: Optional[CompiledMods] = None,
-                 schedule: Optional[BackwardSchedule] = None, keep: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` from the backward kernels, launched on the current stream (``keep``:
-    see :func:`backward_arrays`). Q, K and V are the forward's, which op.attention gave unit
-    stride along D."""
+                 schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
+                 keep: bool = False) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)``, and with ``mask_grad`` the additive mask's gradient, from the backward
+    kernels, launched on the current stream (``keep``: see :func:`backward_arrays`). Q, K and
+    V are the forward's, which op.attention gave unit stride along D."""
     import cuda.tile as ct
 
     plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
                          mask_layout(mask), bool(causal), float(scale), window is not None,
-                         softcap, mods, schedule)
+                         softcap, mods, schedule or backward_schedule(query.shape[-1]),
+                         mask_grad, deterministic())
     rows_args, kv_args, q_args, grids, grads = backward_arrays(
         plan, grad_out, query, key, value, out, lse, grad_lse, mask, diag_offset,
         window or 0, keep)
@@ -179,8 +228,14 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     with launch_device(query.device):
         ct.launch(stream, grids[0], rows_kernel, rows_args)
         ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
-        ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
-    return grads
+        if not plan.kv.DQ_ADD:
+            ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
+    dq, dk, dv, d_mask = grads
+    if plan.kv.DQ_ADD:
+        dq = dq.to(query.dtype)
+    if d_mask is None:
+        return dq, dk, dv
+    return dq, dk, dv, summed_mask_grad(d_mask, mask.tensor)
 
 
 def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,

@@ -28,6 +28,12 @@ TILE_EMPTY = 0      # nothing visible: the tile is skipped
 TILE_PARTIAL = 1    # some keys hidden: the mask is applied per element
 TILE_FULL = 2       # every key visible with zero bias: the mask is not even read
 
+# How the backward's dK/dV kernel writes an additive mask's gradient (AttentionConstants
+# .MASK_GRAD): not at all, a tile per (query tile, key tile), or a tile's sum over its rows.
+NO_MASK_GRAD = 0
+MASK_GRAD_ROWS = 1
+MASK_GRAD_ROW_SUMS = 2
+
 # Slots of a query tile's key-tile ranges in a block table (masks.BlockTable.ranges).
 RANGE_FIRST = 0     # its first non-empty key tile
 RANGE_GAP_LO = 1    # [GAP_LO, GAP_HI): its longest run of empty tiles before the full run
@@ -69,6 +75,11 @@ class AttentionConstants(NamedTuple):
     V_LATENCY: int
     LOAD_TRANSPOSED: bool  # backward: a tile needed as a transposed MMA operand is loaded
                            # transposed (a second load) instead of ct.transpose'd
+    MASK_GRAD: int      # backward's dK/dV kernel: NO_MASK_GRAD, or it adds the additive mask's
+                        # gradient (dS) to DMask per row (MASK_GRAD_ROWS) or as each query
+                        # tile's row sum (MASK_GRAD_ROW_SUMS: a mask with one row)
+    DQ_ADD: bool        # backward's dK/dV kernel also makes dQ, added into an fp32 array by
+                        # TMA reduce-add (no dQ kernel; not bitwise reproducible)
 
 
 # C[P.CAUSAL] and friends: each field's index under its own name.

@@ -18,7 +18,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, AttentionConstants)
+from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, NO_MASK_GRAD,
+                            AttentionConstants)
 from .masks import CompactMask, ModMask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
@@ -235,7 +236,8 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
-        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False)
+        K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
+        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,

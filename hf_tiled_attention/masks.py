@@ -11,7 +11,7 @@ O(Sq x Skv).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -97,6 +97,12 @@ class CompactMask:
         return (self.kind, self.tensor.dtype, self.batched, self.headed, self.per_row)
 
     @property
+    def trains(self) -> bool:
+        """An additive mask whose tensor autograd tracks: the backward computes its gradient."""
+        return (self.kind == ADDITIVE_MASK and self.tensor.requires_grad
+                and torch.is_grad_enabled())
+
+    @property
     def batched(self) -> bool:
         return self.tensor.shape[0] > 1
 
@@ -151,15 +157,21 @@ memo_register("compact masks", _compact_masks)
 
 def reused_compact_mask(attn_mask: torch.Tensor, batch: int, heads_q: int, seq_q: int,
                         seq_kv: int) -> CompactMask:
-    """:func:`compact_mask`, memoised per mask tensor while it is unchanged (eager calls)."""
+    """:func:`compact_mask`, memoised per mask tensor while it is unchanged (eager calls). A
+    mask that requires grad (and grad mode on) gets its compact view recorded by autograd, so
+    its gradient reaches it, with the memoised one's tables."""
     if not isinstance(attn_mask, torch.Tensor) or torch.compiler.is_compiling():
         return compact_mask(attn_mask, batch, heads_q, seq_q, seq_kv)
     key = (attn_mask._version, batch, heads_q, seq_q, seq_kv)
     found = _compact_masks.get(attn_mask)
     if found is not None and found[0] == key:
-        return found[1]
-    compact = compact_mask(attn_mask.detach(), batch, heads_q, seq_q, seq_kv)
-    _compact_masks[attn_mask] = (key, compact)
+        compact = found[1]
+    else:
+        compact = compact_mask(attn_mask.detach(), batch, heads_q, seq_q, seq_kv)
+        _compact_masks[attn_mask] = (key, compact)
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        tracked = compact_mask(attn_mask, batch, heads_q, seq_q, seq_kv).tensor
+        return replace(compact, tensor=tracked)  # (the same dict of tables)
     return compact
 
 

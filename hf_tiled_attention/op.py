@@ -181,10 +181,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             False)
         return out, (lse if return_lse else None)
     captures = () if mods is None else mods.captures
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *captures)):
+    # An additive mask that requires grad is an input of the autograd node (its gradient is
+    # the scores'); a bool mask or one autograd does not track is not.
+    trained_mask = mask.tensor if isinstance(mask, CompactMask) and mask.trains else None
+    if torch.is_grad_enabled() and (trained_mask is not None or any(
+            t.requires_grad for t in (query, key, value, *captures))):
         out, lse = _EagerAttention.apply(query, key, value, mask, mods, (
             causal, float(scale), window or None, softcap or None, int(diag_offset), schedule,
-            key_mask_table), *captures)
+            key_mask_table), trained_mask, *captures)
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
@@ -200,7 +204,7 @@ class _EagerAttention(torch.autograd.Function):
     layer take (eval/host_overhead.py's training row)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, mods, options, *captures):
+    def forward(ctx, query, key, value, mask, mods, options, trained_mask, *captures):
         causal, scale, window, softcap, diag_offset, schedule, key_mask_table = options
         out, lse = _forward(query, key, value, mask, causal, scale, window, softcap,
                             diag_offset, schedule, True, key_mask_table, mods)
@@ -216,16 +220,18 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors[:5]
         causal, scale, window, softcap, diag_offset, _, _ = ctx.options
-        learnable = list(ctx.needs_input_grad[6:])
+        mask_grad = ctx.needs_input_grad[6]
+        learnable = list(ctx.needs_input_grad[7:])
         if grad_out is None:  # only the LSE was used
             grad_out = torch.zeros_like(out)
         grads = backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse,
                          ctx.mask, causal=causal, scale=scale, window=window, softcap=softcap,
                          diag_offset=diag_offset, mods=ctx.mods, learnable=learnable,
-                         keep=may_keep_device_memory(True, query.device))
-        learned = iter(grads[3:])
+                         mask_grad=mask_grad, keep=may_keep_device_memory(True, query.device))
+        rest = iter(grads[3:])
         return (grads[0], grads[1], grads[2], None, None, None,
-                *(next(learned) if flag else None for flag in learnable))
+                next(rest) if mask_grad else None,
+                *(next(rest) if flag else None for flag in learnable))
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor,
@@ -360,6 +366,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(query, key, value, out, lse, mask, *captures)
     ctx.options = (mask_kind, causal, scale, window, softcap, diag_offset, mods_key)
     ctx.eager = eager
+    ctx.mask_grad = bool(ctx.needs_input_grad[3])  # (only a float mask can require grad)
     ctx.learnable = [bool(ctx.needs_input_grad[12]) and c.requires_grad for c in captures]
 
 
@@ -367,10 +374,11 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, mask, *captures = ctx.saved_tensors
     grads = torch.ops.hf_tiled_attention.attention_backward(
         grad_out, query, key, value, out, lse, grad_lse, mask, *ctx.options, captures,
-        ctx.learnable, ctx.eager)
-    learned = iter(grads[3:])
-    d_captures = [next(learned) if flag else None for flag in ctx.learnable]
-    return (grads[0], grads[1], grads[2]) + (None,) * 9 + (d_captures, None)
+        ctx.learnable, ctx.mask_grad, ctx.eager)
+    rest = iter(grads[3:])
+    d_mask = next(rest) if ctx.mask_grad else None
+    d_captures = [next(rest) if flag else None for flag in ctx.learnable]
+    return (grads[0], grads[1], grads[2], d_mask) + (None,) * 8 + (d_captures, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -383,22 +391,25 @@ def _attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: tor
                            mask_kind: int, causal: bool, scale: float, window: int,
                            softcap: float, diag_offset: int, mods_key: Optional[str],
                            captures: list[torch.Tensor], learnable: list[bool],
-                           eager: bool) -> list[torch.Tensor]:
-    """``[dq, dk, dv, *(d capture for each capture flagged learnable)]``."""
+                           mask_grad: bool, eager: bool) -> list[torch.Tensor]:
+    """``[dq, dk, dv, (d mask if mask_grad), *(d capture for each capture flagged
+    learnable)]``."""
     compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
     mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
     return backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse, compact,
                     causal=causal, scale=scale, window=window or None,
                     softcap=softcap or None, diag_offset=diag_offset, mods=mods,
-                    learnable=learnable, keep=may_keep_device_memory(eager, query.device))
+                    learnable=learnable, mask_grad=mask_grad,
+                    keep=may_keep_device_memory(eager, query.device))
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, query, key, value, out, lse, grad_lse, mask, mask_kind,
                              causal, scale, window, softcap, diag_offset, mods_key, captures,
-                             learnable, eager):
+                             learnable, mask_grad, eager):
     return ([torch.empty_like(t, memory_format=torch.contiguous_format)
              for t in (query, key, value)]
+            + ([torch.empty_like(mask)] if mask_grad else [])
             + [torch.empty_like(c) for c, flag in zip(captures, learnable) if flag])
 
 
@@ -407,14 +418,16 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
              grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask], *, causal: bool,
              scale: float, window: Optional[int], softcap: Optional[float], diag_offset: int,
              mods: Optional[CompiledMods] = None, learnable: Sequence[bool] = (),
-             keep: bool = False) -> list[torch.Tensor]:
+             mask_grad: bool = False, keep: bool = False) -> list[torch.Tensor]:
     """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
     reference backward elsewhere and for a score_mod the kernels cannot run (one whose
     derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
     grad: there the derivative is a vector-Jacobian product of its torch twin, which also
     gives the gradients of the learnable tensors it reads: ``learnable[i]`` flags
-    ``mods.captures[i]``). ``keep``: the block tables made may be
-    kept for later calls (memo.may_keep_device_memory)."""
+    ``mods.captures[i]``). Returns ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of
+    the additive mask's compact tensor (in its dtype), then the learnable captures'.
+    ``keep``: the block tables made may be kept for later calls
+    (memo.may_keep_device_memory)."""
     if mods is not None and mods.mask_mod is not None:
         mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                         query.device, keep=keep)
@@ -427,15 +440,17 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         from .backward_launch import run_backward
         return list(run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
                                  causal=causal, scale=scale, window=window, softcap=softcap,
-                                 diag_offset=diag_offset, mods=mods, keep=keep))
+                                 diag_offset=diag_offset, mods=mods, mask_grad=mask_grad,
+                                 keep=keep))
     if query.numel() and query.device.type == "cuda" and not on_kernels:
         _warn_score_mod_backward_once(mods.names)
     slots = [slot for slot, flag in enumerate(learnable) if flag]
-    dq, dk, dv, d_learnable = reference_attention_backward(
+    dq, dk, dv, d_mask, d_learnable = reference_attention_backward(
         grad_out, query, key, value, out, lse, grad_lse, mask, causal=causal, scale=scale,
-        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=slots)
-    return [dq, dk, dv] + [grad.to(mods.captures[slot].dtype)
-                           for grad, slot in zip(d_learnable, slots)]
+        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=slots,
+        mask_grad=mask_grad)
+    return ([dq, dk, dv] + ([d_mask.to(mask.tensor.dtype)] if mask_grad else [])
+            + [grad.to(mods.captures[slot].dtype) for grad, slot in zip(d_learnable, slots)])
 
 
 @memoize(64)

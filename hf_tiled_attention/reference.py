@@ -162,9 +162,11 @@ def reference_attention_backward(
         out: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
         mask: Optional[CompactMask], *, causal: bool, scale: float, window: Optional[int],
         softcap: Optional[float], diag_offset: int, mods=None,
-        learnable: Sequence[int] = ()) -> tuple:
-    """Gradients of :func:`reference_attention`: ``(dq, dk, dv, d_learnable)``, the first three
-    in the inputs' dtypes, ``d_learnable`` the fp32 gradients of the captured tensors of
+        learnable: Sequence[int] = (), mask_grad: bool = False) -> tuple:
+    """Gradients of :func:`reference_attention`: ``(dq, dk, dv, d_mask, d_learnable)``, the
+    first three in the inputs' dtypes; ``d_mask`` with ``mask_grad`` the fp32 gradient of an
+    additive mask's compact tensor (the score gradient summed over the dims it broadcasts),
+    else None; ``d_learnable`` the fp32 gradients of the captured tensors of
     ``mods`` (a :class:`~hf_tiled_attention.mods.CompiledMods`) at the slots ``learnable``,
     which its score_mod reads. The probabilities are recomputed chunk by chunk from the saved
     LSE (FlashAttention-2's backward); the derivative of the score itself (scale, softcap's
@@ -183,6 +185,11 @@ def reference_attention_backward(
     dq_grouped = dq.unflatten(1, grouped)
     learned = [mods.captures[slot] for slot in learnable]
     d_learnable = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in learned]
+    d_mask = d_mask_grouped = None
+    if mask_grad:
+        d_mask = torch.zeros(mask.tensor.shape, dtype=torch.float32, device=query.device)
+        d_mask_grouped = (d_mask.unflatten(1, grouped) if mask.headed
+                          else d_mask.unsqueeze(2))  # as call.mask_t
 
     def scores(q, k, q0, q1, k0, k1, *tensors):
         if not tensors:
@@ -208,9 +215,14 @@ def reference_attention_backward(
                 q, k, *[t.float() for t in learned])
             p = torch.exp(s - rows_lse)                   # (B, Hkv, G, cq, ck)
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do).sum(dim=2)
-            grads = vjp(p * (torch.matmul(do, v.transpose(-1, -2)) - rows_delta))
+            d_scores = p * (torch.matmul(do, v.transpose(-1, -2)) - rows_delta)
+            if mask_grad:  # the mask is added to the final scores: its gradient is theirs
+                rows = d_mask_grouped[..., q0:q1, k0:k1] if mask.per_row \
+                    else d_mask_grouped[..., k0:k1]
+                rows += d_scores.sum_to_size(rows.shape)
+            grads = vjp(d_scores)
             dq_grouped[:, :, :, q0:q1] += grads[0]
             dk[:, :, k0:k1] += grads[1].squeeze(2)
             for total, grad in zip(d_learnable, grads[2:]):
                 total += grad
-    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), d_learnable)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), d_mask, d_learnable)

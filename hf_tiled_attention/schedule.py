@@ -331,6 +331,9 @@ class BackwardSchedule:
         load_transposed: a tile needed as a transposed MMA operand (Q and dOut in the dK/dV
             kernel, K and V in the dQ kernel) is loaded a second time, transposed, instead of
             transposed in registers.
+        dq_add: the dK/dV kernel also makes dQ (one more MMA per step) and adds it into an
+            fp32 array with TMA reduce-adds, and the dQ kernel is not launched; taken only when
+            the backward need not be deterministic (determinism.deterministic()).
         rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
             (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
             Without hints the compiler gave it 255 registers and one block per SM: 121 us at
@@ -346,6 +349,7 @@ class BackwardSchedule:
     kv_occupancy: int = 1
     q_occupancy: int = 1
     load_transposed: bool = False
+    dq_add: bool = False
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4
@@ -367,7 +371,8 @@ class BackwardSchedule:
 # Measured on the H200 (bf16, B=4, 32 query heads; perf-notes step 27): a dK/dV block keeps
 # two fp32 accumulators of its keys x D, and its loop's transposed score tile is keys x
 # queries: at D=128 a 32-row query step beats a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k),
-# the 64-row step spills.
+# the 64-row step spills. dq_add (dQ in the dK/dV block, TMA reduce-adds) measured slower at
+# D=128 and D=256 and within 3% at D=64 causal (perf-notes step 30): off in every row.
 BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,
                           q_warps=4, kv_occupancy=2, q_occupancy=2),
@@ -383,9 +388,26 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "64 registers (64 rows took 255)"),
 )
 
+# A schedule that replaces the table's for every backward (set_backward_schedule). A plain
+# global, not a context variable: autograd runs a CUDA backward on its own thread.
+_backward_override: Optional[BackwardSchedule] = None
+
+
+def set_backward_schedule(schedule: Optional[BackwardSchedule]) -> None:
+    """Run every backward with ``schedule`` instead of ``BACKWARD_TABLE``'s row (None: the
+    table again); for measuring schedules (eval/backward_schedules.py)."""
+    global _backward_override
+    if schedule is not None and not isinstance(schedule, BackwardSchedule):
+        raise TypeError(f"set_backward_schedule expects a BackwardSchedule or None, got "
+                        f"{type(schedule).__name__}")
+    _backward_override = schedule
+
 
 def backward_schedule(head_dim: int) -> BackwardSchedule:
-    """The backward's tiles for a head dim (16..256)."""
+    """The backward's tiles for a head dim (16..256): set_backward_schedule's, else the
+    table's."""
+    if _backward_override is not None:
+        return _backward_override
     padded = head_dim_tile(head_dim)
     for limit, schedule, _ in BACKWARD_TABLE:
         if padded <= limit:

@@ -35,7 +35,6 @@ DEFAULT_NAME = "tiled"
 # Arguments that change what attention computes, for which the kernel has no mode: (name, what
 # it is, what to use instead). A call with one fails rather than attend without it.
 _UNSUPPORTED_KWARGS = (
-    ("position_bias", "position_bias", "'eager' or 'sdpa'"),
     ("indices", "sparse attention (indices=...)", "'eager'"),  # the keys each query keeps (DSA)
     ("block_indices", "sparse attention (block_indices=...)", "'eager'"),
 )
@@ -105,6 +104,14 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                         f"{type(attention_mask).__name__}; expected a tensor, None or the "
                         "TiledMask built by its registered mask function")
 
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # T5's relative bias (learned: it trains as a mask)
+        # Shared by the layers unless autograd tracks it: a layer recomputed by gradient
+        # checkpointing must build its own from its own inputs.
+        tracked = getattr(position_bias, "requires_grad", False) and torch.is_grad_enabled()
+        mask = _remembered(None if tracked else memo, "position_bias", (position_bias, mask),
+                           lambda: _with_bias(position_bias, mask, attention_mask,
+                                              (batch, heads_q, seq_q, seq_kv)))
     documents = _documents(kwargs, batch, seq_q, seq_kv, diag_offset, attention_mask, memo)
     if documents is not None and isinstance(attention_mask, TiledMask) and \
             attention_mask.dense is not None and kwargs.get("cu_seq_lens_q") is not None:
@@ -129,6 +136,32 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it: the op
     # lays its output out that way in memory, so this is a view, not a copy.
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor], attention_mask,
+               shape: tuple) -> torch.Tensor:
+    """An additive mask: a model's ``position_bias`` (T5: ``(1, Hq, Sq, Skv)``, from a learned
+    table) with the call's mask folded in (-inf where a bool mask hides a key, a float mask
+    added), differentiable in the bias; the kernel's causal / window flags stay as they are."""
+    if not isinstance(position_bias, torch.Tensor) or not position_bias.is_floating_point():
+        raise TypeError(f"position_bias must be a floating-point tensor, got "
+                        f"{getattr(position_bias, 'dtype', type(position_bias).__name__)}")
+    if isinstance(attention_mask, TiledMask) and attention_mask.mods is not None:
+        raise ValueError("attn_implementation='tiled' cannot combine a position_bias with the "
+                         "mask overlay transformers made for this call (packed rows, chunks or "
+                         "blocks); use attn_implementation='eager'")
+    batch, heads_q, seq_q, seq_kv = shape
+    bias = position_bias[..., -seq_kv:]
+    try:
+        torch.broadcast_shapes(bias.shape, shape)
+    except RuntimeError:
+        raise ValueError(f"position_bias of shape {tuple(position_bias.shape)} is not "
+                         f"broadcastable to (B, Hq, Sq, Skv) = {shape}") from None
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
 
 
 def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, attention_mask,

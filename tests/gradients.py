@@ -15,12 +15,17 @@ GRAD_TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2
 
 
 def op_and_definition_grads(case: Case, device, dtype, *, seed: int = 0, lse_weight: float = 0.5,
-                            score_mod=None, mask_mod=None, learnable=()):
+                            score_mod=None, mask_mod=None, learnable=(), mask_grad=False):
     """``(got, want)``: dicts of the gradients of ``sum(out * dOut) + lse_weight * sum(lse *
-    dLse)`` for q, k, v (and sinks, and each tensor in ``learnable``), from the op in
-    ``dtype`` and from the fp64 definition. dOut and dLse are random; rows with no visible key
-    count their LSE as 0 (it is -inf)."""
+    dLse)`` for q, k, v (and sinks, each tensor in ``learnable``, and with ``mask_grad`` the
+    case's additive mask, as made: before any broadcast or expand), from the op in ``dtype``
+    and from the fp64 definition. dOut and dLse are random; rows with no visible key count
+    their LSE as 0 (it is -inf)."""
     q, k, v, mask = make_inputs(case, device, dtype, seed=seed)
+    mask_leaf = None
+    if mask_grad:
+        mask_leaf = unexpanded(mask).detach().clone().requires_grad_()
+        mask = expanded_like(mask_leaf, mask)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     d_out = torch.randn(q.shape, generator=g).to(device)
     d_lse = torch.randn(q.shape[:3], generator=g).to(device) * lse_weight
@@ -31,11 +36,13 @@ def op_and_definition_grads(case: Case, device, dtype, *, seed: int = 0, lse_wei
         lse = torch.where(lse.isinf(), 0.0, lse)
         return (out.double() * d_out.double()).sum() + (lse.double() * d_lse.double()).sum()
 
-    def grads(inputs, result):
-        tensors = list(inputs) + ([sinks] if sinks is not None else []) + list(learnable)
+    def grads(inputs, result, leaf=None):
+        tensors = (list(inputs) + ([sinks] if sinks is not None else []) + list(learnable)
+                   + ([leaf] if leaf is not None else []))
         values = torch.autograd.grad(loss(*result), tensors, allow_unused=True)
-        names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [
-            f"learnable{i}" for i in range(len(learnable))]
+        names = (["q", "k", "v"] + (["sinks"] if sinks is not None else [])
+                 + [f"learnable{i}" for i in range(len(learnable))]
+                 + (["mask"] if leaf is not None else []))
         return {name: (torch.zeros_like(t) if value is None else value)
                 for name, t, value in zip(names, tensors, values)}
 
@@ -43,11 +50,27 @@ def op_and_definition_grads(case: Case, device, dtype, *, seed: int = 0, lse_wei
     if sinks is not None:
         sinks.requires_grad_()
     got = grads(inputs, hta.tiled_attention(*inputs, mask, return_lse=True, sinks=sinks,
-                                            score_mod=score_mod, mask_mod=mask_mod, **kwargs))
+                                            score_mod=score_mod, mask_mod=mask_mod, **kwargs),
+                mask_leaf)
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = grads(exact, definition(*exact, mask, sinks=sinks, score_mod=score_mod,
-                                   mask_mod=mask_mod, **kwargs))
+    exact_leaf = None if mask_leaf is None else mask_leaf.detach().double().requires_grad_()
+    exact_mask = mask if exact_leaf is None else expanded_like(exact_leaf, mask)
+    want = grads(exact, definition(*exact, exact_mask, sinks=sinks, score_mod=score_mod,
+                                   mask_mod=mask_mod, **kwargs), exact_leaf)
     return got, want
+
+
+def unexpanded(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` with the dims an ``expand`` made (stride 0) narrowed back to size 1."""
+    for dim in range(mask.dim()):
+        if mask.shape[dim] > 1 and mask.stride(dim) == 0:
+            mask = mask.narrow(dim, 0, 1)
+    return mask
+
+
+def expanded_like(leaf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``leaf`` (a mask as made, before any expand) broadcast as ``mask`` is."""
+    return leaf.expand(mask.shape) if leaf.shape != mask.shape else leaf
 
 
 def assert_grads_match(got: dict, want: dict, dtype) -> None:
@@ -80,5 +103,17 @@ def empty_rows_have_zero_grads(case: Case, device, dtype) -> None:
     assert (q.grad[empty] == 0).all() and torch.isfinite(q.grad).all()
 
 
-__all__ = ["EMPTY_ROW_CASES", "GRAD_TOLERANCE", "assert_grads_match", "empty_rows_have_zero_grads",
+# Additive masks that require grad: every broadcast the op keeps compact (batch, heads, rows,
+# an expand), GQA and MQA, rows that see nothing, softcap, a window, sinks.
+MASK_GRAD_CASES = [
+    Case(seq_q=64, seq_kv=100, mask="additive"),
+    Case(mask="additive_heads", causal=True, window=40),
+    Case(mask="additive_finfo_min", heads_q=8, heads_kv=1),
+    Case(seq_q=70, seq_kv=90, mask="additive_2d", softcap=3.0),
+    Case(mask="additive_expanded", causal=True, sinks=True),
+    Case(seq_q=150, seq_kv=70, mask="additive_keypad", causal=True),
+]
+
+
+__all__ = ["EMPTY_ROW_CASES", "MASK_GRAD_CASES", "GRAD_TOLERANCE", "assert_grads_match", "empty_rows_have_zero_grads",
            "make_sinks", "op_and_definition_grads"]

@@ -124,6 +124,12 @@ def make_mask(kind: str, case: Case, device, dtype) -> torch.Tensor:
         return rand_additive(b, h, sq, skv)
     if kind == "additive_heads":       # (1, Hq, Sq, Skv)
         return rand_additive(1, h, sq, skv)
+    if kind == "additive_2d":          # (Sq, Skv), broadcast by rank
+        return rand_additive(sq, skv)
+    if kind == "additive_expanded":    # (1, 1, Sq, Skv) expanded to (B, Hq, Sq, Skv), stride 0
+        return rand_additive(1, 1, sq, skv).expand(b, h, sq, skv)
+    if kind == "additive_keypad":      # (B, 1, 1, Skv): a bias per key, -inf on some
+        return rand_additive(b, 1, 1, skv)
     if kind == "additive_finfo_min":   # transformers' style: finfo.min for hidden keys
         mask = torch.zeros(b, 1, sq, skv, dtype=dtype)
         mask[:, :, :, : skv // 4] = torch.finfo(dtype).min

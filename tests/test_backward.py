@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from gradients import (EMPTY_ROW_CASES, assert_grads_match, empty_rows_have_zero_grads,
-                       op_and_definition_grads)
+from gradients import (EMPTY_ROW_CASES, MASK_GRAD_CASES, assert_grads_match,
+                       empty_rows_have_zero_grads, op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
 
 
@@ -233,3 +233,45 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, on_kernels):
                     window=None, softcap=None, diag_offset=0, mods=compiled,
                     learnable=[learnable] * len(compiled.captures))
     assert len(calls) == (1 if on_kernels else 0)
+
+
+@pytest.mark.parametrize("case", MASK_GRAD_CASES, ids=lambda c: c.name)
+def test_additive_mask_gets_its_gradient(case):
+    got, want = op_and_definition_grads(case, "cpu", torch.float32, mask_grad=True)
+    assert want["mask"].abs().max() > 0
+    assert got["mask"].dtype == torch.float32
+    assert_grads_match(got, want, torch.float32)
+
+
+def test_mask_gradient_in_the_masks_dtype():
+    got, want = op_and_definition_grads(Case(mask="additive_heads"), "cpu", torch.bfloat16,
+                                        mask_grad=True)
+    assert got["mask"].dtype == torch.bfloat16
+    assert_grads_match(got, want, torch.bfloat16)
+
+
+def test_only_the_mask_requires_grad():
+    """The output requires grad when only the mask does (the case a new user met: it did not,
+    and the mask's gradient stayed None)."""
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    mask = torch.randn(1, 1, 16, 16, requires_grad=True)
+    out = hta.tiled_attention(q, k, v, mask)
+    assert out.requires_grad
+    out.sum().backward()
+    assert mask.grad is not None and mask.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert not hta.tiled_attention(q, k, v, mask).requires_grad
+
+
+def test_mask_gradient_under_torch_compile():
+    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+    leaf = torch.randn(2, 1, 32, 32, requires_grad=True)
+
+    def loss(mask):
+        return hta.tiled_attention(q, k, v, mask, is_causal=True).square().sum()
+
+    loss(leaf).backward()
+    want = leaf.grad.clone()
+    leaf.grad = None
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(leaf).backward()
+    torch.testing.assert_close(leaf.grad, want)

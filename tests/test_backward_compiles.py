@@ -3,6 +3,8 @@ op can launch: every head-dim tile with causal + window + softcap + a per-row ma
 each mask kind, fp16 and fp32, a mask_mod's kernel copies, score_mods (additive, and with their
 derivative: mod_derivative), and the other archs once."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import hf_tiled_attention as hta
 from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins, mask_layout
 from hf_tiled_attention.masks import compact_mask, mod_mask
 from hf_tiled_attention.mods import compile_mods
+from hf_tiled_attention.schedule import backward_schedule
 
 pytest.importorskip("cuda.tile.compilation")
 
@@ -18,7 +21,7 @@ B, HQ, HKV, S = 2, 8, 2, 300
 
 def _mask(kind, dtype):
     shapes = {"bool_rows": ((B, 1, S, S), torch.bool), "bool_keypad": ((B, 1, 1, S), torch.bool),
-              "additive_heads": ((1, HQ, S, S), dtype)}
+              "additive_heads": ((1, HQ, S, S), dtype), "additive_keypad": ((B, 1, 1, S), dtype)}
     if kind is None:
         return None
     if kind == "documents":
@@ -37,7 +40,7 @@ def _hard_score_mod(score, b, h, q_idx, kv_idx):
 
 
 def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
-            score_mod=None):
+            score_mod=None, mask_grad=False, dq_add=False):
     q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
     k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
     compact = _mask(mask, dtype)
@@ -46,8 +49,10 @@ def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="b
         mods = compile_mods(score_mod, hta.variants.document_mask(torch.arange(S) // 70),
                             fast_math=dtype != torch.float32)
         compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
+    schedule = replace(backward_schedule(head_dim), dq_add=dq_add)
     plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
-                         window is not None, softcap, mods)
+                         window is not None, softcap, mods, schedule, mask_grad, not dq_add)
+    assert plan.kv.DQ_ADD is dq_add and (plan.kv.MASK_GRAD != 0) is mask_grad
     if score_mod is not None:  # a score_mod that is not additive brings its derivative
         assert plan.kv.SCORE_MOD_GRAD is plan.q.SCORE_MOD_GRAD is not mods.score_mod_additive
     return export_backward_cubins(plan, q, k, compact, arch=arch, window=window or 0)
@@ -74,6 +79,14 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
     pytest.param("sm_90", torch.float32, 64, dict(
         window=None, softcap=None, mask=None, score_mod=_hard_score_mod),
         id="sm_90-fp32-every_derivative_rule"),
+    # an additive mask's gradient (TMA reduce-adds): per row, and a key vector's row sums
+    pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, mask="additive_heads",
+                                                    mask_grad=True), id="sm_90-mask_grad_rows"),
+    pytest.param("sm_90", torch.float32, 64, dict(causal=False, window=None, softcap=None,
+                                                  mask="additive_keypad", mask_grad=True),
+                 id="sm_90-fp32-mask_grad_row_sums"),
+    pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
+                                                   dq_add=True), id="sm_90-dq_add"),
 ] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
                   id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from gradients import (EMPTY_ROW_CASES, assert_grads_match, empty_rows_have_zero_grads,
-                       op_and_definition_grads)
+from gradients import (EMPTY_ROW_CASES, MASK_GRAD_CASES, assert_grads_match,
+                       empty_rows_have_zero_grads, op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
 from test_kernel_gpu import _kernel_required, poison_allocator  # noqa: F401
 
@@ -133,13 +133,57 @@ def test_learnable_score_mod_on_the_gpu():
         check_grads(case, torch.float32, score_mod=bias, learnable=(table,))
 
 
+@pytest.fixture
+def deterministic():
+    """The backward made bitwise reproducible for one test (hta.set_deterministic)."""
+    hta.set_deterministic(True)
+    yield
+    hta.set_deterministic(None)
+
+
 @pytest.mark.parametrize("case", [Case(causal=True, mask="bool_keypad", seq_q=500, seq_kv=500),
                                   Case(heads_q=8, heads_kv=1, softcap=5.0, seq_q=300,
-                                       seq_kv=300)], ids=lambda c: c.name)
-def test_gradients_are_bitwise_reproducible(case):
-    first, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
-    second, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+                                       seq_kv=300),
+                                  Case(mask="additive_keypad", seq_q=300, seq_kv=300)],
+                         ids=lambda c: c.name)
+def test_deterministic_gradients_are_bitwise_reproducible(case, deterministic):
+    mask_grad = case.mask == "additive_keypad"  # summed over heads and query tiles
+    first, _ = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_grad=mask_grad)
+    second, _ = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_grad=mask_grad)
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_torch_deterministic_flag_makes_the_backward_reproducible():
+    case = Case(heads_q=8, heads_kv=2, causal=True, seq_q=400, seq_kv=400)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert hta.deterministic()
+        first, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+        second, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("case", SEMANTIC_CASES[1::4], ids=lambda c: c.name)
+def test_deterministic_mode_gradients(case, deterministic):
+    """The two-kernel dQ pass (the deterministic mode; the case matrix above runs the default
+    one) against the definition."""
+    check_grads(case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", MASK_GRAD_CASES, ids=lambda c: c.name)
+def test_additive_mask_gradients_on_the_kernels(case, dtype, mode):
+    """An additive mask that requires grad gets the scores' gradient summed over the dims it
+    broadcasts, from the dK/dV kernel: TMA reduce-adds into its own shape (fast), or one add
+    per element into full batch and head dims summed by torch (deterministic)."""
+    hta.set_deterministic(mode == "deterministic")
+    try:
+        check_grads(case, dtype, mask_grad=True)
+    finally:
+        hta.set_deterministic(None)
 
 
 def test_compiled_training_step_on_the_gpu():
@@ -165,3 +209,23 @@ def test_compiled_training_step_on_the_gpu():
         # (inductor's fused bf16 matmul backward may round differently from eager's)
         torch.testing.assert_close(got, weights.grad, atol=2e-2 * got.abs().max().item(),
                                    rtol=0)
+
+
+@pytest.mark.parametrize("case", [
+    Case(heads_q=8, heads_kv=2, causal=True, seq_q=300, seq_kv=300, head_dim=64),
+    Case(heads_q=8, heads_kv=2, seq_q=200, seq_kv=260, head_dim=128, window=90, softcap=5.0),
+    Case(heads_q=4, heads_kv=4, seq_q=130, seq_kv=130, head_dim=64, mask="additive_heads"),
+], ids=lambda c: c.name)
+def test_dq_added_in_the_kv_kernel(case):
+    """BackwardSchedule.dq_add (off in the table: slower, perf-notes step 30): dQ made in the
+    dK/dV kernel and added by TMA reduce-adds into fp32, no dQ kernel; with a mask gradient."""
+    from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
+
+    set_backward_schedule(replace(backward_schedule(case.head_dim), dq_add=True, kv_keys=64,
+                                  kv_queries=32))
+    hta.set_deterministic(False)
+    try:
+        check_grads(case, torch.bfloat16, mask_grad=case.mask is not None)
+    finally:
+        set_backward_schedule(None)
+        hta.set_deterministic(None)
