@@ -8,7 +8,8 @@ query tile i, with ``P = exp(S - lse)`` recomputed from the scores ``S``:
     dV_j += P^T dOut_i        dP = dOut_i V_j^T        dS = P * (dP - Delta_i) * dS/dscore
     dK_j += dS^T Q_i * scale  dQ_i += dS K_j * scale
 
-Two kernels, neither with atomics, so the gradients are bitwise reproducible run to run:
+Two kernels, neither with atomics by default, so the gradients are bitwise reproducible run to
+run (the two opt-in additions below use TMA reduce-adds):
 
 * :func:`attention_backward_kv`: a block per (key tile, kv head, batch row) holds dK and dV in
   fp32 and walks every query head of its group and the query tiles that see the key tile
@@ -18,6 +19,12 @@ Two kernels, neither with atomics, so the gradients are bitwise reproducible run
   ``dS^T`` are already the left operands of the two accumulating MMAs.
 * :func:`attention_backward_q`: a block per (query tile, query head, batch row) holds dQ and
   walks the key tiles the forward walked (recomputing S and dP: the price of no atomics).
+
+The dK/dV kernel can also add, with TMA reduce-adds (``TiledView.atomic_store_add``, one
+bulk ``UTMAREDG`` per tile): an additive mask's gradient, the scores' gradient itself
+(``MASK_GRAD``; backward_launch.mask_grad_buffer says into what), and with ``DQ_ADD`` dQ into
+an fp32 array, the dQ kernel then not launched (FlashAttention-3's layout; off in the default
+schedules, measured slower: perf-notes step 30).
 
 Both read the constants as the forward does (one ``kernel_params.AttentionConstants`` tuple;
 TILE_M is the query tile, TILE_N the key tile) and hide scores with the forward's rules: the
