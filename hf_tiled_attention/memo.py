@@ -122,7 +122,9 @@ def may_keep_device_memory(eager: bool, device: torch.device) -> bool:
     call (not the registered op, which compiled graphs call) outside CUDA graph capture."""
     if not eager:
         return False
-    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    # (torch's C check itself: torch.cuda.is_current_stream_capturing adds a Python layer that
+    # runs on every decode call)
+    return device.type != "cuda" or not torch._C._cuda_isCurrentStreamCapturing()
 
 
 CACHE_DIR_ENV = "HF_TILED_ATTENTION_CACHE_DIR"

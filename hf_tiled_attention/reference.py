@@ -90,8 +90,10 @@ def empty_output(like: torch.Tensor) -> torch.Tensor:
     kernels return theirs. transformers' ``out.transpose(1, 2)`` is then contiguous with no copy,
     so the tensor the backward keeps is the one the output projection reads, not a second one."""
     batch, heads, seq, head_dim = like.shape
-    return torch.empty((batch, seq, heads, head_dim), dtype=like.dtype,
-                       device=like.device).transpose(1, 2)
+    # One allocation with those strides (not empty + transpose: a second op on a decode
+    # call's host path).
+    return torch.empty_strided(like.shape, (seq * heads * head_dim, head_dim, heads * head_dim, 1),
+                               dtype=like.dtype, device=like.device)
 
 
 def in_output_layout(tensor: torch.Tensor) -> torch.Tensor:
