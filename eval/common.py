@@ -64,9 +64,10 @@ def _tileiras_version() -> str:
     try:
         text = subprocess.run([path, "--version"], capture_output=True, text=True,
                               timeout=30).stdout
-        return " ".join(text.split())[-80:] or "unknown"
     except (OSError, subprocess.SubprocessError):
         return f"{path} did not run"
+    release = re.search(r"release [\d.]+, V[\d.]+", text)  # "release 13.4, V13.4.92"
+    return release.group(0) if release else " ".join(text.split())[-80:] or "unknown"
 
 
 def _driver_version() -> str:

@@ -63,7 +63,7 @@ def test_environment_records_the_tileiras_of_the_pip_package():
         pytest.skip("no tileiras from the nvidia-cuda-tileiras package")
     env = environment(["script.py"])
     assert env["tileiras_path"].endswith("nvidia/cu13/bin/tileiras"), env["tileiras_path"]
-    assert "release" in env["tileiras"], env["tileiras"]
+    assert env["tileiras"].startswith("release "), env["tileiras"]
 
 
 def test_kernel_bench_rejects_unknown_schedule_field():
