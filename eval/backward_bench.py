@@ -146,6 +146,14 @@ def make_call(backend: str, spec: dict, batch: int, heads: int, seq: int, device
                                 enable_gqa=k.shape[1] != q.shape[1])
 
 
+def sees_no_later_key(mods: dict, batch: int, heads: int, seq: int, device) -> bool:
+    """Whether no query row sees a key past its own position under ``mods`` (tiled's keyword
+    arguments), checked on every row of a small sequence-spread sample."""
+    rows = torch.arange(0, seq, max(1, seq // 256), device=device)
+    later = torch.arange(seq, device=device)[None, :] > rows[:, None]
+    return not bool((mask_rows(mods, batch, heads, rows, seq, device) & later).any())
+
+
 def reference_grads(spec: dict, q, k, v, d_out) -> tuple:
     """fp32 dQ, dK, dV of batch row 0 and kv head 0's query group, by the reference path."""
     group = q.shape[1] // k.shape[1]
@@ -194,8 +202,10 @@ def run_point(point, args, writer: ResultsWriter) -> None:
     spec = call_spec(variant, batch, heads_q, seq, causal, device)
     flops = 4.0 * visible_pairs(spec["mods"], batch, heads_q, seq, device) * head_dim
     want = reference_grads(spec, q.detach(), k.detach(), v.detach(), d_out)
+    if causal is None:  # a variant: its mods hold the causal rule, or not (prefix-LM)
+        causal = sees_no_later_key(spec["mods"], batch, heads_q, seq, device)
     base = dict(variant=variant, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-                seq=seq, head_dim=head_dim, causal="" if causal is None else int(causal))
+                seq=seq, head_dim=head_dim, causal=int(causal))
     for backend in [b for b in backends if b in args.backends]:
         rows = {p: dict(base, backend=backend, **{"pass": p}) for p in ("fwd", "bwd")}
         try:
@@ -256,7 +266,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
                [values.get(p, 0.0) for p in points], width, label=backend)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))])
     ax.set_xticklabels([f"{p[0]} {p[1]} S{p[5]} {p[3]}/{p[4]} D{p[6]}"
-                        + (" c" if p[7] == "1" else "") for p in points],
+                        + (" c" if str(p[7]) == "1" else "") for p in points],
                        rotation=90, fontsize=6)
     ax.set_ylabel("backward TF/s (useful; 2.5x fwd FLOPs)")
     ax.legend(fontsize=7)

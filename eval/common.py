@@ -14,6 +14,7 @@ import math
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -46,13 +47,27 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _tileiras_version() -> str:
+def tileiras_path() -> str | None:
+    """The tileiras binary cuda.tile compiles with: its own lookup (the pip package's
+    nvidia/cu13/bin first, which is not on PATH, then PATH and the CUDA toolkit), else PATH."""
     try:
-        text = subprocess.run(["tileiras", "--version"], capture_output=True, text=True,
-                              timeout=30).stdout
-        return " ".join(text.split())[-80:] or "unknown"
-    except (OSError, subprocess.SubprocessError):
+        from cuda.tile._compile import _find_compiler_bin  # private: guarded
+        return _find_compiler_bin().path
+    except Exception:  # no cuda-tile, no tileiras, or another cuda-tile version's internals
+        return shutil.which("tileiras")
+
+
+def _tileiras_version() -> str:
+    path = tileiras_path()
+    if path is None:
         return "not found"
+    try:
+        text = subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{path} did not run"
+    release = re.search(r"release [\d.]+, V[\d.]+", text)  # "release 13.4, V13.4.92"
+    return release.group(0) if release else " ".join(text.split())[-80:] or "unknown"
 
 
 def _driver_version() -> str:
@@ -80,6 +95,7 @@ def environment(argv: list[str]) -> dict:
         "cuda_runtime": torch.version.cuda,
         "cuda_tile": _version("cuda-tile"),
         "tileiras": _tileiras_version(),
+        "tileiras_path": tileiras_path() or "not found",
         "transformers": _version("transformers"),
         "accelerate": _version("accelerate"),
         "hf_tiled_attention": _version("hf-tiled-attention"),

@@ -16,19 +16,14 @@ import argparse
 import copy
 import importlib.util
 import math
-import os
 import sys
 import warnings
 from pathlib import Path
 
-if not sys.stderr.isatty():
-    # transformers' GGUF loader draws a tqdm bar it offers no switch for: in a log its frames
-    # are carriage-return noise. tqdm reads TQDM_DISABLE once, when it is first imported.
-    os.environ.setdefault("TQDM_DISABLE", "1")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import eval.quiet_bars  # noqa: E402,F401  (before torch imports tqdm)
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
 

@@ -10,7 +10,7 @@ step by step (``model.set_attn_implementation``), so each runs on the same weigh
 at that moment, and a slow or noisy stretch of the GPU falls on all of them. Each backend's first
 step per batching is a warm-up (kernel compilation, FlexAttention's torch.compile) and is not
 timed. ``tokens_per_s`` counts the real tokens (padding excluded); ``peak_gib`` is the step's
-peak GPU memory; ``loss_first`` / ``loss_last`` the backend's first and last timed losses (the
+peak GPU memory (empty on a CPU); ``loss_first`` / ``loss_last`` the backend's first and last timed losses (the
 weights move a little between them: learning rate 1e-5).
 
 Batchings: ``unpadded-8k`` / ``unpadded-16k`` (B=1), ``padded-4k`` (B=4, rows right-padded by a
@@ -18,8 +18,9 @@ quarter to a half), ``packed-16k`` (one 16k-token row of documents of 256-4096 t
 transformers' DataCollatorWithFlattening: position ids restart per document; no cache, so
 transformers masks the documents for sdpa, flex and eager, and tiled reads them from the
 position ids). An out-of-memory step is recorded as ``oom``. Results:
-eval/results/<gpu>/train/train.csv and environment.json. Without a GPU: a tiny model at small
-sizes through the reference path.
+eval/results/<gpu>/train/train.csv and environment.json. Without a GPU: a tiny model at a
+64th of the lengths through the reference path (rows labelled by their real length,
+``unpadded-128``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def make_batch(batching: str, vocab: int, device, scale: int = 1) -> dict:
         docs.append({"input_ids": torch.randint(3, vocab, (n,), generator=gen).tolist()})
         total += n
     return dict(DataCollatorWithFlattening(return_tensors="pt")(docs))
+
+
+def batching_label(batching: str, scale: int) -> str:
+    """The batching's name with the row length it really has: ``unpadded-8k`` on the GPU,
+    ``unpadded-128`` for the CPU run's lengths (divided by ``scale``)."""
+    kind, size = batching.split("-")
+    return batching if scale == 1 else f"{kind}-{int(size.removesuffix('k')) * 1024 // scale}"
 
 
 def real_tokens(batch: dict) -> int:
@@ -152,17 +160,21 @@ def main(argv=None) -> int:
                     run["loss"].append(loss)
                     run["peak"] = max(run["peak"], peak)
         for backend, run in runs.items():
-            row = dict(model=shape, layers=args.layers, backend=backend, batching=batching,
+            label = batching_label(batching, scale)
+            row = dict(model=shape, layers=args.layers, backend=backend, batching=label,
                        batch=rows, seq=seq, status=run["status"], reason=run["reason"])
             if run["status"] == "ok" and run["ms"]:
                 ms = statistics.median(run["ms"])
                 row.update(ms=f"{ms:.2f}", tokens_per_s=f"{real_tokens(batch) / ms * 1e3:.1f}",
-                           peak_gib=f"{run['peak']:.2f}" if on_gpu else "", loss_first=f"{run['loss'][0]:.4f}",
+                           peak_gib=f"{run['peak']:.2f}" if on_gpu else "",
+                           loss_first=f"{run['loss'][0]:.4f}",
                            loss_last=f"{run['loss'][-1]:.4f}")
+            peak = (f"{row['peak_gib']} GiB" if row.get("peak_gib") else
+                    "n/a (CPU)" if not on_gpu else "-")
             results.add(row)
-            print(f"train {batching:13s} {backend:15s} {row['status']:8s} "
+            print(f"train {label:13s} {backend:15s} {row['status']:8s} "
                   f"{row.get('tokens_per_s', '-'):>10s} tokens/s {row.get('ms', '-'):>9s} ms "
-                  f"peak {row.get('peak_gib', '-')} GiB loss {row.get('loss_first', '-')} -> "
+                  f"peak {peak} loss {row.get('loss_first', '-')} -> "
                   f"{row.get('loss_last', '-')} {row['reason'][:80]}", flush=True)
         optimizer.zero_grad(set_to_none=True)
         if on_gpu:

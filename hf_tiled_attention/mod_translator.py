@@ -219,34 +219,72 @@ class Translator:
 def _function_node(fn: types.FunctionType, role: str):
     """The function's ``def`` (or lambda) node and the line offset that makes its line numbers
     the file's."""
+    if fn.__name__ == "<lambda>":
+        return _lambda_node(fn, role), 0
     try:
         lines, first = inspect.getsourcelines(fn)
         source = textwrap.dedent("".join(lines))
     except (OSError, TypeError) as exc:
-        raise ModError(f"{role} {fn.__qualname__}: its source is not available ({exc}); define "
-                       "it with def in a .py file") from None
+        raise _no_source(fn, role, exc) from None
     offset = max(first, 1) - 1
-    if fn.__name__ != "<lambda>":
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            tree = ast.parse("if True:\n" + textwrap.indent(source, " "))
-            offset -= 1
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name == fn.__name__:
-                return node, offset
-    else:
-        wanted = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
-        try:
-            tree = ast.parse(source.strip().rstrip(",;\\"))
-        except SyntaxError:
-            tree = None
-        lambdas = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)
-                   and [a.arg for a in n.args.args] == wanted] if tree else []
-        if len(lambdas) == 1:
-            return lambdas[0], offset
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        tree = ast.parse("if True:\n" + textwrap.indent(source, " "))
+        offset -= 1
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == fn.__name__:
+            return node, offset
     raise ModError(f"{role} {fn.__qualname__}: could not find its definition in its source; "
                    "write it as a def in a .py file")
+
+
+def _lambda_node(fn: types.FunctionType, role: str) -> ast.Lambda:
+    """A lambda's node in its whole file's syntax tree (a lambda may sit inside a statement
+    that spans lines, which its own lines do not parse as): the lambdas with its parameters
+    that start on its first line; of several, the one whose body holds the source positions
+    of its code."""
+    code = fn.__code__
+    try:
+        lines, _ = inspect.findsource(fn)
+        tree = ast.parse("".join(lines))
+    except (OSError, TypeError, SyntaxError) as exc:
+        raise _no_source(fn, role, exc) from None
+    wanted = list(code.co_varnames[:code.co_argcount])
+    candidates = [node for node in ast.walk(tree) if isinstance(node, ast.Lambda)
+                  and node.lineno == code.co_firstlineno
+                  and [a.arg for a in node.args.args] == wanted]
+    spans = _code_spans(code)
+    if len(candidates) > 1 and spans:
+        candidates = [node for node in candidates
+                      if all(_holds(node.body, span) for span in spans)]
+    if len(candidates) != 1:
+        raise ModError(f"{role} {fn.__qualname__}: {len(candidates) or 'no'} lambdas with its "
+                       f"parameters start on line {code.co_firstlineno} of "
+                       f"{code.co_filename}, and which one it is cannot be told; give it a "
+                       "line of its own or write it as a def")
+    return candidates[0]
+
+
+def _code_spans(code: types.CodeType) -> list:
+    """``(line, column, end line, end column)`` of the source each instruction of ``code``
+    came from (Python 3.11+; empty before), without the empty spans of bookkeeping ones."""
+    positions = getattr(code, "co_positions", lambda: ())()
+    return [(line, column, end_line, end_column)
+            for line, end_line, column, end_column in positions
+            if None not in (line, end_line, column, end_column)
+            and (line, column) != (end_line, end_column)]
+
+
+def _holds(node: ast.AST, span: tuple) -> bool:
+    line, column, end_line, end_column = span
+    return ((node.lineno, node.col_offset) <= (line, column)
+            and (end_line, end_column) <= (node.end_lineno, node.end_col_offset))
+
+
+def _no_source(fn: types.FunctionType, role: str, exc: Exception) -> ModError:
+    return ModError(f"{role} {fn.__qualname__}: its source is not available ({exc}); define "
+                    "it with def in a .py file")
 
 
 def _resolve(fn: types.FunctionType, name: str):

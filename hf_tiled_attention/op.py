@@ -12,6 +12,7 @@ call's kernels take.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -32,6 +33,14 @@ from .schedule import (SHORT_QUERY_ROWS, Schedule, active_override, head_dim_til
                        resolve_schedule)
 
 FORCE_REFERENCE_ENV = "HF_TILED_ATTENTION_FORCE_REFERENCE"
+HIGHER_ORDER_UNSUPPORTED = (
+    "hf_tiled_attention does not support higher-order gradients (differentiating a gradient "
+    "taken with create_graph=True) or functorch transforms (torch.func.grad, vmap, jacrev, "
+    "jvp, ...): like the fused kernels of torch's scaled_dot_product_attention, its backward "
+    "is not itself differentiable and it has no batching rule. For these, use "
+    "attn_implementation='eager' in transformers, or "
+    "torch.nn.functional.scaled_dot_product_attention with the math backend (inside "
+    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)).")
 _NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
 
 
@@ -170,6 +179,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
+    # (eager only: a transform would reach torch's own messages from deep inside the call)
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError(HIGHER_ORDER_UNSUPPORTED)
     if torch.compiler.is_compiling():
         # Traced graphs need the registered op (fake impl; its backward is registered below).
         # Mods cross as their generated code's key and their captured tensors.
@@ -197,6 +209,41 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mods)
 
 
+def _first_order_only(backward_fn: Callable) -> Callable:
+    """An autograd.Function's backward, run without recording; under create_graph=True its
+    gradients come back tied to the saved tensors and incoming gradients they depend on
+    through a node whose own backward raises HIGHER_ORDER_UNSUPPORTED. (autograd's
+    once_differentiable ties them to the incoming gradients alone: differentiating them in
+    the inputs then failed as "not used in the graph", or dropped this term silently.)"""
+    @functools.wraps(backward_fn)
+    def backward(ctx, *grad_outputs):
+        higher_order = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = backward_fn(ctx, *grad_outputs)
+        if not higher_order:
+            return grads
+        sources = [t for t in (*ctx.saved_tensors, *grad_outputs)
+                   if t is not None and t.requires_grad]
+        present = [g for g in grads if g is not None]
+        tied = iter(_NotDifferentiable.apply(len(present), *present, *sources))
+        return tuple(None if g is None else next(tied) for g in grads)
+    return backward
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """``apply(count, *tensors, *sources)``: copies of the first ``count`` tensors that depend
+    on ``sources`` as far as autograd knows; differentiating them raises
+    HIGHER_ORDER_UNSUPPORTED."""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(HIGHER_ORDER_UNSUPPORTED)
+
+
 class _EagerAttention(torch.autograd.Function):
     """Eager autograd's route to the forward and backward implementations (traced graphs take
     the registered ops): the same functions without the two dispatcher round trips of the
@@ -216,7 +263,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors[:5]
         causal, scale, window, softcap, diag_offset, _, _ = ctx.options

@@ -172,8 +172,7 @@ def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, at
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         cu = cu_q if cu_q is not None else cu_k
-        if batch != 1 or seq_q != seq_kv or (cu_k is not None and cu_k is not cu
-                                             and not torch.equal(cu_k, cu)):
+        if batch != 1 or seq_q != seq_kv or not _same_boundaries(cu, cu_k):
             raise ValueError("cu_seq_lens_q/k describe one flattened row of documents: batch 1, "
                              "as many queries as keys and equal boundaries, got batch "
                              f"{batch}, {seq_q} queries, {seq_kv} keys")
@@ -194,6 +193,18 @@ def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, at
         ids = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1).to(torch.int32)
         return ids if bool((ids[:, -1] != 0).any()) else None
     return _remembered(memo, "pos", (position_ids,), restarts)
+
+
+def _same_boundaries(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor]) -> bool:
+    """Whether ``cu_seq_lens_k`` (if given) holds the same boundaries as ``cu_seq_lens_q``.
+    DataCollatorWithFlattening returns them as two equal tensors. Comparing their values is
+    data-dependent, which torch.compile cannot trace without a graph break: while tracing only
+    the shapes are compared (eager calls check the values)."""
+    if cu_k is None or cu_k is cu_q:
+        return True
+    if cu_k.shape != cu_q.shape:
+        return False
+    return torch.compiler.is_compiling() or torch.equal(cu_k, cu_q)
 
 
 def _ids_from_cu_seqlens(cu: torch.Tensor, seq: int) -> torch.Tensor:

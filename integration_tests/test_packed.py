@@ -94,3 +94,14 @@ def test_packed_documents_reach_the_op_as_a_mask_mod(op_calls):
         assert mask is None
         assert all(t.numel() <= ids.shape[1] for t in mods.captures)  # O(S) per-token vectors
     assert seen[0][1] is seen[1][1]  # one translation per forward, shared by its layers
+
+
+@pytest.mark.parametrize("cu_k", [[0, 7, 17, 23], [0, 7, 23]], ids=["values", "shape"])
+def test_unequal_cu_seq_lens_are_an_error(cu_k):
+    """cu_seq_lens_q and cu_seq_lens_k must hold the same boundaries (eager checks values)."""
+    tiled = build("llama", "tiled")
+    ids = torch.cat(_docs(10))[None]
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
+    with pytest.raises(ValueError, match="equal boundaries"), torch.no_grad():
+        tiled(ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32),
+              max_length_q=max(LENGTHS), max_length_k=max(LENGTHS), use_cache=False)

@@ -10,10 +10,12 @@ from transformers import DataCollatorWithFlattening
 from models import ALL_MODELS, VOCAB, build, padded_batch
 
 
-def _grads(model, **batch):
+def _grads(model, forward=None, **batch):
+    """Loss and parameter gradients of one step; ``forward`` (default: the model) computes it,
+    e.g. the model under torch.compile."""
     model.train()
     model.zero_grad()
-    out = model(**batch)
+    out = (model if forward is None else forward)(**batch)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                if p.grad is not None}
@@ -62,11 +64,17 @@ def test_packed_rows_train_like_separate_documents(flash_kwargs):
     _assert_same_grads(got, want)
 
 
-def test_gradient_checkpointing():
+def test_gradient_checkpointing(op_calls):
+    """Each layer's attention runs again in the backward (the recompute), with eager's
+    gradients."""
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
     model = build("llama", "tiled")
-    model.gradient_checkpointing_enable()
+    # transformers 5.24 renamed it (the old name warns); 5.17 has only the old one.
+    enable = getattr(model, "activation_checkpointing_enable", None) or \
+        model.gradient_checkpointing_enable
+    enable()
     got = _grads(model, input_ids=ids, labels=ids)
+    assert len(op_calls) == 2 * model.config.num_hidden_layers
     _assert_same_grads(got, _grads(build("llama", "eager"), input_ids=ids, labels=ids))
 
 
@@ -124,3 +132,28 @@ def test_compiled_training_step_does_not_recompile():
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     assert abs(losses[0] - eager(input_ids=ids, labels=ids).loss.item()) < 1e-5
 
+
+def test_compiled_packed_training_step_from_the_collator():
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s own output (cu_seq_lens_q
+    and cu_seq_lens_k as two tensors, position_ids, labels, max_length_q/k) through
+    torch.compile(model, fullgraph=True) with AOTAutograd: one graph, which a second batch of
+    the same shape (other documents) reuses, and eager's loss and gradients."""
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")
+    graphs = []
+
+    def counting_aot_eager(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    model, reference = build("llama", "tiled"), build("llama", "tiled")
+    compiled = torch.compile(model, fullgraph=True, backend=counting_aot_eager)
+    torch._dynamo.reset()
+    for seed, lengths in enumerate([(9, 14, 7), (12, 5, 13)]):
+        g = torch.Generator().manual_seed(seed)
+        docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+        batch = dict(collator([{"input_ids": d} for d in docs]), use_cache=False)
+        assert batch["cu_seq_lens_q"] is not batch["cu_seq_lens_k"]
+        got = _grads(model, compiled, **batch)
+        assert len(graphs) == 1, f"step {seed}: {len(graphs)} graphs"
+        _assert_same_grads(got, _grads(reference, **batch))
+    torch._dynamo.reset()

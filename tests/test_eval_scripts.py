@@ -52,6 +52,20 @@ def test_results_survive_a_run_cut_short(tmp_path):
     assert env["complete"] is True and env["note"] == "x" and env["seconds"] >= 0
 
 
+def test_environment_records_the_tileiras_of_the_pip_package():
+    """cuda-tile's pip extra puts tileiras in nvidia/cu13/bin, not on PATH: the record finds
+    it where cuda.tile does and runs it."""
+    import importlib.util
+    from eval.common import environment
+    spec = importlib.util.find_spec("nvidia.cu13")
+    if spec is None or not any((Path(p) / "bin" / "tileiras").exists()
+                               for p in spec.submodule_search_locations):
+        pytest.skip("no tileiras from the nvidia-cuda-tileiras package")
+    env = environment(["script.py"])
+    assert env["tileiras_path"].endswith("nvidia/cu13/bin/tileiras"), env["tileiras_path"]
+    assert env["tileiras"].startswith("release "), env["tileiras"]
+
+
 def test_kernel_bench_rejects_unknown_schedule_field():
     from eval import kernel_bench
     with pytest.raises(SystemExit, match="Schedule field"):
@@ -342,8 +356,19 @@ def test_backward_bench_cpu(tmp_path):
     rows = read_csv(tmp_path / "kernel_sweep.csv")
     assert {r["pass"] for r in rows} == {"fwd", "bwd"}
     assert {r["variant"] for r in rows} == {"none", "right-padded"}
+    assert {(r["variant"], r["causal"]) for r in rows} == {("none", "0"), ("right-padded", "1")}
     assert all(r["status"] == "ok" and float(r["max_err"]) < 0.05 for r in rows), rows
     assert (tmp_path / "backward.png").exists()
+
+
+def test_backward_bench_says_which_variants_are_causal():
+    """The variants hold their causal rule in their mods: the causal column reads it there
+    (prefix-LM's prefix sees later keys)."""
+    from eval import backward_bench
+    causal = {variant: backward_bench.sees_no_later_key(
+        backward_bench.call_spec(variant, 2, 4, 256, None, "cpu")["mods"], 2, 4, 256, "cpu")
+        for variant in backward_bench.VARIANTS}
+    assert causal == {v: v != "prefix-lm" for v in backward_bench.VARIANTS}
 
 
 def test_backward_bench_counts_padded_pairs():
@@ -360,8 +385,11 @@ def test_train_throughput_cpu(tmp_path):
     assert train_throughput.main(["--layers", "1", "--reps", "1", "--batchings", "padded-4k",
                                   "packed-16k", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "train.csv")
-    assert {(r["backend"], r["batching"]) for r in rows} == {
-        (b, p) for b in ("tiled", "sdpa", "eager") for p in ("padded-4k", "packed-16k")}
+    # labelled by the CPU run's real lengths (a 64th), not the GPU's 4k / 16k
+    assert {(r["backend"], r["batching"], r["seq"]) for r in rows} == {
+        (b, p, s) for b in ("tiled", "sdpa", "eager")
+        for p, s in (("padded-64", "64"), ("packed-256", "256"))}
+    assert all(r["peak_gib"] == "" for r in rows)  # no GPU memory to measure
     ran = [r for r in rows if r["status"] == "ok"]
     assert len(ran) == 5 and all(float(r["tokens_per_s"]) > 0 for r in ran)  # eager: packed
     tiled = {r["batching"]: float(r["loss_first"]) for r in ran if r["backend"] == "tiled"}
@@ -376,7 +404,9 @@ def test_finetune_parity_cpu(tmp_path):
     assert finetune_parity.main(["--text-file", str(text), "--steps", "2", "--seq", "64",
                                  "--out", str(tmp_path)]) == 0
     summary = read_csv(tmp_path / "finetune_summary.csv")
-    assert [r["status"] for r in summary] == ["PASS", "PASS"]
+    assert [(r["backend"], r["status"]) for r in summary] == [("tiled", "PASS"),
+                                                               ("sdpa", "reference")]
+    assert summary[1]["rel_diff_sdpa"] == "" and float(summary[0]["rel_diff_sdpa"]) <= 1e-3
     steps = read_csv(tmp_path / "finetune.csv")
     tiled = [float(r["loss"]) for r in steps if r["backend"] == "tiled"]
     sdpa = [float(r["loss"]) for r in steps if r["backend"] == "sdpa"]

