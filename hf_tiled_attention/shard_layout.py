@@ -132,9 +132,46 @@ class SequenceLayout:
         parts = [tensor.narrow(dim, run.start, run.length) for run in self.runs(rank)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
+    def imbalance(self, work: torch.Tensor) -> float:
+        """The busiest rank's work over the mean (``work``: ``(S,)`` per position)."""
+        per_rank = [float(work[self.positions(r)].sum()) for r in range(self.world_size)]
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean else 1.0
+
     def digest(self) -> tuple:
         """What two ranks must agree on (compared across the group by the batch sharding)."""
         return (self.seq_len, self.chunks)
+
+
+# Chunks per rank tried by least_chunks_layout, and the smallest chunk worth a call of its own
+# (a kernel tile is 64-128 query rows).
+CHUNKS_PER_RANK_CHOICES = (2, 4, 8, 16)
+MIN_CHUNK_LEN = 128
+# Busiest rank's visible pairs over the mean that least_chunks_layout settles for.
+BALANCE_TARGET = 1.05
+
+
+def least_chunks_layout(work: torch.Tensor, world_size: int, *,
+                        target: float = BALANCE_TARGET) -> SequenceLayout:
+    """The balanced layout (:meth:`SequenceLayout.balanced`) with the fewest chunks per rank
+    (fewest attention calls, smallest key buffers) whose busiest rank has at most ``target``
+    times the mean work; else the most even one tried. Two chunks per rank (head-and-tail for
+    causal work) always qualify for trying; more only while the chunks stay at least
+    :data:`MIN_CHUNK_LEN` long and divide the sequence."""
+    seq_len = work.shape[0]
+    check_divisible(seq_len, world_size, 2)
+    best = None
+    for per_rank in CHUNKS_PER_RANK_CHOICES:
+        chunks = world_size * per_rank
+        if seq_len % chunks or (per_rank > 2 and seq_len // chunks < MIN_CHUNK_LEN):
+            continue
+        layout = SequenceLayout.balanced(work, world_size, per_rank)
+        ratio = layout.imbalance(work)
+        if ratio <= target:
+            return layout
+        if best is None or ratio < best[0]:
+            best = (ratio, layout)
+    return best[1]
 
 
 def check_divisible(seq_len: int, world_size: int, chunks_per_rank: int) -> None:
