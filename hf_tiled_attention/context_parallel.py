@@ -20,7 +20,11 @@ documents and padding of the whole batch, softcap and sinks.
 
 The loss: each rank's ``num_items_in_batch`` is the whole batch's label count divided by the
 number of ranks, so the ranks' losses average to the one-process loss and DDP's or FSDP's
-gradient average over the ranks is the one-process gradient.
+gradient average over the ranks is the one-process gradient. (Each rank's backward computes
+the gradient of the sum of the ranks' losses, world times the one-process loss: the parameters
+get their share of that, which the average over the ranks divides back; the gradient of
+``inputs_embeds`` is scaled back by shard_batch; a tensor outside the model that the loss
+reaches otherwise gets world times its one-process gradient.)
 """
 
 from __future__ import annotations
@@ -120,9 +124,13 @@ def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
               "use_cache": False}
     # (an attention_mask, even all ones, also stops transformers from reading this rank's
     # position_ids as packed rows: the documents are the shards' own)
-    for name in ("input_ids", "inputs_embeds"):
-        if batch.get(name) is not None:
-            inputs[name] = local(batch[name])
+    if batch.get("input_ids") is not None:
+        inputs["input_ids"] = local(batch["input_ids"])
+    if batch.get("inputs_embeds") is not None:
+        # The loss counts each rank's tokens world times (see the module docstring): DDP's and
+        # FSDP's average take that back from the parameters' gradients; the embeddings' own
+        # gradient (nobody averages it) is scaled back here.
+        inputs["inputs_embeds"] = _GradientScale.apply(local(batch["inputs_embeds"]), 1 / world)
     if shift_labels is not None:
         local_labels = local(shift_labels)
         # transformers' causal-LM loss takes shift_labels as they are (labels must be given
@@ -130,6 +138,19 @@ def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
         inputs.update(labels=local_labels, shift_labels=local_labels,
                       num_items_in_batch=torch.tensor(global_tokens / world, device=device))
     return ShardedBatch(inputs, shards, global_tokens)
+
+
+class _GradientScale(torch.autograd.Function):
+    """The identity, with its gradient multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, tensor, factor):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def _positions_and_documents(batch: Mapping, rows: int, seq_len: int, device):
