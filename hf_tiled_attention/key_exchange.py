@@ -117,9 +117,7 @@ def exchange_keys(key: torch.Tensor, value: torch.Tensor, plan: ExchangePlan,
     """The key buffer's keys and values, ``(B, Hkv, buffer rows, D)`` each (views of one
     tensor), from this rank's ``key`` / ``value`` ``(B, Hkv, local rows, D)``; differentiable,
     the backward returning the gradients of the rows sent to their owners."""
-    # One (rows, 2 * B * Hkv * D) tensor: K and V travel in one collective.
-    local = torch.stack((key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)), dim=1)
-    rows = local.flatten(1)
+    rows = _packed_rows(key, value)
     if plan.exchanged:
         if group is None:
             raise ValueError("these shards need keys from other ranks, but no process group "
@@ -128,13 +126,26 @@ def exchange_keys(key: torch.Tensor, value: torch.Tensor, plan: ExchangePlan,
         received = collectives.all_to_all_single_autograd(
             rows.index_select(0, plan.send_rows), plan.recv_splits, plan.send_splits, group)
         rows = torch.cat((rows, received))
-    buffer = rows.index_select(0, plan.buffer_rows).view(-1, *local.shape[1:])
-    return buffer[:, 0].permute(1, 2, 0, 3), buffer[:, 1].permute(1, 2, 0, 3)
+    return _unpacked(rows.index_select(0, plan.buffer_rows), key.shape)
 
 
 def gathered_keys(key: torch.Tensor, value: torch.Tensor,
                   plan: ExchangePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The key buffer taken from the whole sequence's ``key`` / ``value``: what
-    :func:`exchange_keys` assembles from the ranks, for one process that plays every rank."""
+    :func:`exchange_keys` assembles from the ranks, in the same memory layout, for one process
+    that plays every rank."""
     positions = plan.buffer_positions.to(key.device)
-    return key.index_select(2, positions), value.index_select(2, positions)
+    return _unpacked(_packed_rows(key, value).index_select(0, positions), key.shape)
+
+
+def _packed_rows(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``(positions, 2 * B * Hkv * D)``: K and V of a position in one row, so that they travel
+    in one collective."""
+    return torch.stack((key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)), dim=1).flatten(1)
+
+
+def _unpacked(rows: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``(B, Hkv, positions, D)``, views of :func:`_packed_rows`' rows."""
+    batch, heads, _, head_dim = shape
+    buffer = rows.view(-1, 2, batch, heads, head_dim)
+    return buffer[:, 0].permute(1, 2, 0, 3), buffer[:, 1].permute(1, 2, 0, 3)
