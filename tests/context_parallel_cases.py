@@ -5,7 +5,7 @@ comparison of outputs, LSEs and every gradient (q, k, v, sinks, a learnable capt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -76,7 +76,16 @@ class ShardInputs:
         return SequenceShards(self.layout, rank, group, self.document_ids, self.key_padding)
 
 
+def scaled(case: ShardCase, unit: int, head_dim: int) -> ShardCase:
+    """The case at ``unit`` times its length (and window), with another head dim."""
+    return replace(case, seq=case.seq * unit, head_dim=head_dim,
+                   window=None if case.window is None else case.window * unit)
+
+
 def make_inputs(case: ShardCase, world: int, device, dtype, seed: int = 0) -> ShardInputs:
+    if case.seq % 48:
+        raise ValueError(f"the cases' documents and padding are laid out on 48-position units, "
+                         f"got seq={case.seq}")
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -88,18 +97,19 @@ def make_inputs(case: ShardCase, world: int, device, dtype, seed: int = 0) -> Sh
     v = rand(case.batch, case.heads_kv, seq, case.head_dim)
     d_out = rand(case.batch, case.heads_q, seq, case.head_dim).float()
     d_lse = rand(case.batch, case.heads_q, seq).float() * 0.5
+    unit = seq // 48               # the lengths below are for 48 positions, scaled
     docs = None
     if case.documents is not None:
-        lengths = [7, 19, 13, 9]   # edges inside chunks at every world size tried
+        lengths = [7 * unit, 19 * unit, 13 * unit, 9 * unit]  # edges inside chunks
         ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
         if case.documents == "gap":
-            ids[40:] = -1          # past the last document: sees nothing, seen by none
+            ids[40 * unit:] = -1   # past the last document: sees nothing, seen by none
         docs = ids[None].to(device)
     padding = None
     if case.padding:
         padding = torch.ones(case.batch, seq, dtype=torch.bool)
-        padding[0, :7] = False     # left padding: rows 0-6 of row 0 see no key when causal
-        padding[-1, seq - 10:] = False
+        padding[0, :7 * unit] = False  # left padding: its rows see no key when causal
+        padding[-1, seq - 10 * unit:] = False
         padding = padding.to(device)
     sinks = rand(case.heads_q).float() if case.sinks else None
     bias = None

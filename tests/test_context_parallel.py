@@ -161,3 +161,32 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="ascending"):
         SequenceLayout(12, ((1, 0), (2, 3)))
 
+
+
+def test_masks_made_for_local_positions_are_refused():
+    """transformers' masks are made for this rank's positions: a dense one, a 4-D tensor, a
+    cache offset or flash-attention kwargs cannot be read back in global terms."""
+    from hf_tiled_attention.context_parallel import transformers_attention
+    from hf_tiled_attention.transformers_mask import TiledMask
+    shards = SequenceShards(SequenceLayout.head_tail(32, 2), 0)
+    q = torch.randn(1, 2, 16, 16)
+    module = torch.nn.Module()
+    dense = torch.ones(1, 1, 16, 16, dtype=torch.bool)
+    cases = [
+        (TiledMask(False, None, 0, dense=dense), {}, "dense mask over this rank's positions"),
+        (dense, {}, "Tensor attention_mask made for this rank's positions"),
+        (TiledMask(True, None, 3), {}, "without a cache: pass use_cache=False"),
+        (None, {"cu_seq_lens_q": torch.tensor([0, 16])}, "cu_seq_lens_q/k in the model's kwargs"),
+    ]
+    for mask, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            transformers_attention(shards, module, q, q, q, mask, None, None, kwargs)
+
+
+def test_shard_batch_names_what_it_cannot_split():
+    from hf_tiled_attention.context_parallel import shard_batch
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"does not know how to split \['pixel_values'\]"):
+        shard_batch({"input_ids": ids, "pixel_values": torch.zeros(1, 3)})
+    with pytest.raises(ValueError, match="needs input_ids"):
+        shard_batch({"labels": ids})
