@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time", action="store_true", help="time each shard's kernels (GPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the counts are many small index operations: threads only contend
     if args.time and not torch.cuda.is_available():
         raise SystemExit("--time needs a CUDA GPU (the counts need none)")
     out_dir = args.out or results_dir() / "context-parallel"
