@@ -77,6 +77,7 @@ class SequenceShards:
         """This rank's rows of a whole-sequence tensor along ``dim``."""
         return self.layout.shard(tensor, self.rank, dim)
 
+    @torch.compiler.disable  # host work on ints: run eagerly, outside a compiled region
     def plan(self, causal: bool, window: Optional[int], device: torch.device) -> ExchangePlan:
         """The key exchange of a layer with this rule (every layer with it shares one)."""
         key = ("plan", causal, window, device)
@@ -161,6 +162,7 @@ def attend_runs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out, (torch.cat(lses, dim=2) if return_lse else None)
 
 
+@torch.compiler.disable  # translates mods: run eagerly, outside a compiled region
 def _run_masks(shards: SequenceShards, index: int, query_start: int, key_start: int,
                key_count: int, query: torch.Tensor, score_mod, mask_mod, softcap):
     """A run's ``(attn_mask, mods)`` in global coordinates, made once per run and mods (the

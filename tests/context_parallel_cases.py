@@ -276,4 +276,28 @@ def spawned_rank_results(rank: int, world: int) -> dict:
             results[case.name] = (None, int(got_lse.isinf().sum()))
         except AssertionError as exc:
             results[case.name] = (f"rank {rank}: {exc}", 0)
+    results["compiled"] = (_compiled_matches_eager(rank, world), 0)
     return results
+
+
+def _compiled_matches_eager(rank: int, world: int) -> Optional[str]:
+    """sharded_attention under torch.compile (aot_eager: dynamo and AOT autograd trace the
+    exchange and the op calls; planning runs eagerly) gives the eager output and gradients."""
+    import torch.distributed as dist
+    case = CASES_BY_NAME["documents-window-padding"]
+    inputs = make_inputs(case, world, "cpu", torch.float32)
+    compiled = torch.compile(sharded_attention, backend="aot_eager")
+    results = []
+    for attention in (sharded_attention, compiled):
+        shards = inputs.shards(rank, dist.group.WORLD)
+        local = [shards.shard(t, 2).detach().requires_grad_() for t in (inputs.q, inputs.k,
+                                                                          inputs.v)]
+        out = attention(*local, shards, **inputs.options)
+        out.backward(shards.shard(inputs.d_out, 2))
+        results.append([out.detach()] + [t.grad for t in local])
+    try:
+        for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
+            assert_close(got, want, f"compiled {name}", CPU_TOLERANCE)
+    except AssertionError as exc:
+        return f"rank {rank}: {exc}"
+    return None

@@ -31,7 +31,8 @@ def test_simulated_ranks_equal_the_whole_sequence(case, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_spawned_ranks_equal_the_whole_sequence(world):
-    """All cases in one spawn per world size (starting the processes is most of the time)."""
+    """All cases in one spawn per world size (starting the processes is most of the time),
+    and sharded_attention under torch.compile against eager."""
     ranks = run_ranks("context_parallel_cases:spawned_rank_results", world)
     failures = [error for result in ranks for error, _ in result.values() if error]
     assert not failures, "\n".join(failures)
