@@ -4,8 +4,9 @@
     python eval/context_parallel_balance.py --seq 131072 --ranks 8 --documents lognormal
 
 For each sequence length, rank count, document mix and layout (contiguous slices, head-and-tail
-chunks, chunks balanced by visible pairs with 2-16 chunks per rank, and ``pairs-auto``, the fewest of
-those within 5% of the mean: what shard_batch picks) it counts, per rank, the
+chunks, chunks balanced by the visible pairs of full causal attention with 2-16 chunks per rank, and
+``pairs-auto``, the fewest of those within 10% of the mean, counting the row's window: what
+shard_batch(window=...) picks) it counts, per rank, the
 visible (query, key) pairs of causal attention (full, and with a sliding window) and the rows of
 its key buffer (the keys its queries can see, which it holds or receives:
 hf_tiled_attention.key_exchange), and reports max/mean over the ranks. ``kv_mib`` is the key
@@ -60,7 +61,8 @@ def document_ids(mix: str, seq: int) -> torch.Tensor | None:
         if mix == "uniform":
             n = uniform()
         elif mix == "lognormal":
-            n = int(torch.empty(1).log_normal_(mean=7.625, std=1.0, generator=gen))  # e^7.625 ~ 2048
+            # median e^7.625 ~ 2048
+            n = int(torch.empty(1).log_normal_(mean=7.625, std=1.0, generator=gen))
             n = max(64, min(n, seq // 2))
         elif mix == "one-long":  # uniform ones, then the long one once a quarter is filled
             long_done = any(n >= seq // 2 for n in lengths)
@@ -74,13 +76,13 @@ def document_ids(mix: str, seq: int) -> torch.Tensor | None:
                                    torch.tensor(lengths))[None]
 
 
-def make_layout(name: str, seq: int, ranks: int, docs) -> SequenceLayout:
+def make_layout(name: str, seq: int, ranks: int, docs, window) -> SequenceLayout:
     if name == "contiguous":
         return SequenceLayout.contiguous(seq, ranks)
     if name == "head_tail":
         return SequenceLayout.head_tail(seq, ranks)
-    if name == "pairs-auto":  # what shard_batch picks
-        return least_chunks_layout(position_work(seq, docs), ranks)
+    if name == "pairs-auto":  # what shard_batch(window=...) picks
+        return least_chunks_layout(position_work(seq, docs, window=window), ranks)
     return SequenceLayout.balanced(position_work(seq, docs), ranks, int(name.split("-")[1]))
 
 
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
                         row = dict(seq=seq, ranks=ranks, documents=mix, window=window,
                                    layout=name, status="ok", reason="")
                         try:
-                            layout = make_layout(name, seq, ranks, docs)
+                            layout = make_layout(name, seq, ranks, docs, window or None)
                         except ValueError as exc:  # the sequence does not divide
                             row.update(status="skipped", reason=str(exc)[:120])
                             results.add(row)

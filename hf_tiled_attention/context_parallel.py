@@ -67,7 +67,7 @@ class ShardedBatch:
 
 
 def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
-                layout: Optional[SequenceLayout] = None,
+                window: Optional[int] = None, layout: Optional[SequenceLayout] = None,
                 global_tokens: Optional[int] = None, ignore_index: int = -100) -> ShardedBatch:
     """This rank's share of ``batch`` (every rank of ``group``, default the world, passes the
     same whole batch: ``input_ids`` or ``inputs_embeds`` ``(B, S, ...)``, and optionally
@@ -76,9 +76,11 @@ def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
 
     ``balance``: ``"pairs"`` (the default) balances the visible query-key pairs of causal
     attention: head-and-tail chunks for unpacked rows (exact), for packed documents chunks
-    assigned by their pairs, as few per rank as bring the busiest rank within 5% of the mean
+    assigned by their pairs, as few per rank as bring the busiest rank within 10% of the mean
     (:func:`~hf_tiled_attention.shard_layout.least_chunks_layout`); ``"head_tail"`` and
-    ``"contiguous"`` ignore the documents; or pass a ``layout``. ``global_tokens``: the label
+    ``"contiguous"`` ignore the documents; or pass a ``layout``. ``window``: balance the pairs
+    of this sliding window instead (a model whose every layer has it, e.g. Mistral-7B's 4096;
+    it changes the layout only, never the attention). ``global_tokens``: the label
     count the loss divides by (default: this batch's; the count over accumulated batches for
     gradient accumulation)."""
     import torch.distributed as dist
@@ -106,7 +108,7 @@ def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
     if global_tokens is None:
         global_tokens = 0 if shift_labels is None else int((shift_labels != ignore_index).sum())
     if layout is None:
-        layout = _balanced_layout(balance, seq_len, world, document_ids)
+        layout = _balanced_layout(balance, seq_len, world, document_ids, window)
     elif layout.seq_len != seq_len or layout.world_size != world:
         raise ValueError(f"layout is for {layout.seq_len} positions over {layout.world_size} "
                          f"ranks; the batch has {seq_len} positions and the group {world} ranks")
@@ -191,13 +193,13 @@ def _shift_labels(batch: Mapping, ignore_index: int) -> Optional[torch.Tensor]:
 
 
 def _balanced_layout(balance: str, seq_len: int, world: int,
-                     document_ids: Optional[torch.Tensor]) -> SequenceLayout:
-    if balance == "head_tail" or (balance == "pairs" and document_ids is None):
+                     document_ids: Optional[torch.Tensor], window: Optional[int]) -> SequenceLayout:
+    if balance == "head_tail" or (balance == "pairs" and document_ids is None and window is None):
         return SequenceLayout.head_tail(seq_len, world)
     if balance == "contiguous":
         return SequenceLayout.contiguous(seq_len, world)
     if balance == "pairs":
-        return least_chunks_layout(position_work(seq_len, document_ids), world)
+        return least_chunks_layout(position_work(seq_len, document_ids, window=window), world)
     raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
 
 

@@ -397,8 +397,8 @@ def test_context_parallel_balance_cpu(tmp_path):
     for ranks in ("2", "4"):
         assert ratio[("none", ranks, "0", "head_tail")] == 1.0
         assert ratio[("none", ranks, "0", "contiguous")] > 1.4
-        assert ratio[("lognormal", ranks, "0", "pairs-auto")] <= 1.05
-        assert ratio[("lognormal", ranks, "0", "head_tail")] > 1.05
+        assert ratio[("lognormal", ranks, "0", "pairs-auto")] <= 1.1
+        assert ratio[("lognormal", ranks, "0", "head_tail")] > 1.1
     # A window bounds the keys a rank needs: far fewer than the whole sequence.
     keys = {(r["window"], r["layout"], r["documents"], r["ranks"]): int(r["buffer_rows_max"])
             for r in rows}
