@@ -116,6 +116,7 @@ def shard_batch(batch: Mapping, group=None, *, balance: str = "pairs",
                               *[_fingerprint(batch.get(name)) for name in _SEQUENCE_KEYS],
                               _fingerprint(batch.get("cu_seq_lens_q"))))
     shards = SequenceShards(layout, dist.get_rank(group), group, document_ids, key_padding)
+
     def local(tensor: torch.Tensor) -> torch.Tensor:
         return shards.shard(tensor, 1).contiguous()  # (transformers .view()s some of them)
 
