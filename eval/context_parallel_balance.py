@@ -115,11 +115,12 @@ def time_shards(layout: SequenceLayout, docs, window, plans) -> tuple[float, flo
     times = []
     for rank, plan in enumerate(plans):
         shards = SequenceShards(layout, rank, None, None if docs is None else docs.to(device))
+        plan = plan.to(device)
         q_r = shards.shard(q, 2).detach().requires_grad_()
-        keys, values = (t.detach().requires_grad_() for t in gathered_keys(k, v, plan.to(device)))
+        keys, values = (t.detach().requires_grad_() for t in gathered_keys(k, v, plan))
 
         def step():
-            out, _ = attend_runs(q_r, keys, values, shards, plan.to(device), is_causal=True,
+            out, _ = attend_runs(q_r, keys, values, shards, plan, is_causal=True,
                                  scale=None, window=window, softcap=None, sinks=None,
                                  score_mod=None, mask_mod=None, return_lse=False)
             out.backward(torch.ones_like(out))
