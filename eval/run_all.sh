@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: install, then run the eight evals with their defaults, writing
+# The main job: install, then run the evals with their defaults, writing
 # eval/results/<gpu>/. Without a CUDA GPU each script says so and runs small sizes through the
 # CPU reference path. SKIP_INSTALL=1 uses the current Python environment as it is (offline hosts).
 set -euo pipefail
@@ -34,5 +34,15 @@ python eval/variants_bench.py || failed+=(variants_bench)
 python eval/backward_bench.py || failed+=(backward_bench)
 python eval/train_throughput.py || failed+=(train_throughput)
 python eval/finetune_parity.py --text-file "$texts/alice29.txt" || failed+=(finetune_parity)
+python eval/context_parallel_balance.py || failed+=(context_parallel_balance)
+# Context parallelism over the host's GPUs; without two, a smoke run on 2 CPU processes (gloo).
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  python -m torch.distributed.run --nproc-per-node "$gpus" eval/context_parallel.py \
+    || failed+=(context_parallel)
+else
+  CUDA_VISIBLE_DEVICES="" python -m torch.distributed.run --nproc-per-node 2 \
+    eval/context_parallel.py || failed+=(context_parallel)
+fi
 if [ ${#failed[@]} -gt 0 ]; then echo "run_all: failed: ${failed[*]}" >&2; exit 1; fi
 echo "run_all: all evals done; results in eval/results/"

@@ -3,10 +3,13 @@ PyTorch, with a schedule you edit from Python."""
 
 import importlib.util as _importlib_util
 
+from . import context_parallel  # noqa: F401  (shard_batch, context_parallel: several GPUs)
 from .determinism import deterministic, set_deterministic
 from .memo import cache_sizes, clear_caches
 from .op import kernel_available, tiled_attention
 from .schedule import Schedule, default_schedule, use_schedule
+from .shard_layout import SequenceLayout
+from .sharded_attention import SequenceShards, sharded_attention
 
 if _importlib_util.find_spec("transformers") is not None:
     # Registers attn_implementation="tiled" (attention + mask function) on import.
@@ -24,7 +27,8 @@ else:
         """Register the transformers backend (needs transformers >= 5.17)."""
         raise ImportError("hf_tiled_attention.register needs the `transformers` package")
 
-__all__ = ["Schedule", "cache_sizes", "clear_caches", "default_schedule", "deterministic",
-           "kernel_available", "register", "set_deterministic", "tiled_attention",
+__all__ = ["Schedule", "SequenceLayout", "SequenceShards", "cache_sizes", "clear_caches",
+           "context_parallel", "default_schedule", "deterministic", "kernel_available",
+           "register", "set_deterministic", "sharded_attention", "tiled_attention",
            "use_schedule"]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .checks import check_inputs, check_sinks
+from .context_parallel import active_shards, transformers_attention
 from .masks import CompactMask, compact_mask
 from .mods import CompiledMods, compile_mods, mods_from_key
 from .op import attention as _op_attention
@@ -79,6 +80,11 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     check_inputs(query, key, value)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss's learned sinks, one per head
     check_sinks(sinks, query)
+    shards = active_shards()
+    if shards is not None:  # inside context_parallel(): this rank's rows of the whole sequence
+        out = transformers_attention(shards, module, query, key, value, attention_mask, scaling,
+                                     sinks, kwargs)
+        return out.transpose(1, 2).contiguous(), None
     batch, heads_q, seq_q, _ = query.shape
     seq_kv = key.shape[2]
     is_causal = kwargs.get("is_causal")

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,48 @@ def test_finetune_parity_cpu(tmp_path):
     sdpa = [float(r["loss"]) for r in steps if r["backend"] == "sdpa"]
     assert len(tiled) == 2 and all(abs(a - b) <= 1e-4 * b for a, b in zip(tiled, sdpa))
     assert (tmp_path / "finetune.png").exists()
+
+
+def test_context_parallel_balance_cpu(tmp_path):
+    from eval import context_parallel_balance
+    assert context_parallel_balance.main(["--seq", "4096", "--ranks", "2", "4", "--documents",
+                                          "none", "lognormal", "--windows", "0", "256",
+                                          "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "balance.csv")
+    assert len(rows) == 2 * 2 * 2 * len(context_parallel_balance.LAYOUTS)
+    ratio = {(r["documents"], r["ranks"], r["window"], r["layout"]): float(r["pairs_max_over_mean"])
+             for r in rows}
+    for ranks in ("2", "4"):
+        assert ratio[("none", ranks, "0", "head_tail")] == 1.0
+        assert ratio[("none", ranks, "0", "contiguous")] > 1.4
+        assert ratio[("lognormal", ranks, "0", "pairs-auto")] <= 1.1
+        assert ratio[("lognormal", ranks, "0", "head_tail")] > 1.1
+    # A window bounds the keys a rank needs: far fewer than the whole sequence.
+    keys = {(r["window"], r["layout"], r["documents"], r["ranks"]): int(r["buffer_rows_max"])
+            for r in rows}
+    assert keys[("0", "head_tail", "none", "4")] == 4096
+    assert keys[("256", "head_tail", "none", "4")] == 2 * (512 + 255)  # two chunks + halos
+
+
+def test_context_parallel_cpu(tmp_path):
+    """Under torchrun: two gloo processes train the tiny model context-parallel, plain and
+    packed; torch's own context parallelism is skipped on the CPU with its reason."""
+    import subprocess
+    import sys
+    script = Path(__file__).resolve().parent.parent / "eval" / "context_parallel.py"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", str(script), "--reps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = read_csv(tmp_path / "context_parallel.csv")
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert {(r["batching"], r["seq"]) for r in ran} == {
+        (b, s) for b in ("plain", "packed") for s in ("128", "256")}
+    assert all(r["backend"] == "tiled" and float(r["tokens_per_s_per_gpu"]) > 0
+               and 4 < float(r["loss"]) < 7 for r in ran)  # near ln(256): random weights
+    skipped = {(r["backend"], r["batching"]): r["reason"] for r in rows if r["status"] != "ok"}
+    assert set(skipped) == {(b, p) for b in ("sdpa_cp", "flex_cp") for p in ("plain", "packed")}
+    assert all("need CUDA" in skipped[("sdpa_cp", p)] for p in ("plain", "packed"))
+    env = json.loads((tmp_path / "environment.json").read_text())["context_parallel"]
+    assert env["complete"] and env["longest_ok"]["tiny-llama tiled packed"] == 256
