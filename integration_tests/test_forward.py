@@ -93,11 +93,11 @@ def test_attention_sinks_actually_bite():
 @pytest.mark.parametrize("name, pattern", [
     ("indices", r"sparse attention \(indices=\.\.\.\); use attn_implementation='eager'\."),
     ("block_indices", r"sparse attention \(block_indices="),
-    ("position_bias", r"not support position_bias; use attn_implementation='eager' or 'sdpa'"),
 ])
 def test_unsupported_attention_kwargs_are_a_clear_error(name, pattern):
-    """DeepSeek-style sparse attention passes the keys each query keeps, T5-style models a
-    bias; the kernel has neither, so the call fails instead of attending without them."""
+    """DeepSeek-style sparse attention passes the keys each query keeps; the kernel has no
+    such mode, so the call fails instead of attending without them. (T5's position_bias runs
+    as an additive mask: test_trained_masks.py.)"""
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
     with pytest.raises(ValueError, match=pattern):
         tb.tiled_attention_forward(torch.nn.Module(), q, k, k, None, scaling=0.25,

@@ -89,11 +89,15 @@ def test_t5_generates_like_eager():
     assert torch.equal(outputs["tiled"], outputs["eager"])
 
 
-def test_position_bias_of_a_wrong_shape_is_refused():
+@pytest.mark.parametrize("bias, error, pattern", [
+    (torch.zeros(1, 3, 5, 5), ValueError, "position_bias of shape"),
+    (torch.zeros(1, 4, 5, 5, dtype=torch.long), TypeError,
+     "position_bias must be a floating-point tensor"),
+])
+def test_bad_position_bias_is_refused(bias, error, pattern):
     from hf_tiled_attention.transformers_backend import tiled_attention_forward
 
     q = torch.randn(1, 4, 5, 16)
-    module = torch.nn.Module()
-    with pytest.raises(ValueError, match="position_bias of shape"):
-        tiled_attention_forward(module, q, q, q, None, scaling=1.0,
-                                position_bias=torch.zeros(1, 3, 5, 5))
+    with pytest.raises(error, match=pattern):
+        tiled_attention_forward(torch.nn.Module(), q, q, q, None, scaling=1.0,
+                                position_bias=bias)
