@@ -25,7 +25,7 @@ def op_and_definition_grads(case: Case, device, dtype, *, seed: int = 0, lse_wei
     mask_leaf = None
     if mask_grad:
         mask_leaf = unexpanded(mask).detach().clone().requires_grad_()
-        mask = expanded_like(mask_leaf, mask)
+        mask = mask_leaf.expand(mask.shape)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     d_out = torch.randn(q.shape, generator=g).to(device)
     d_lse = torch.randn(q.shape[:3], generator=g).to(device) * lse_weight
@@ -54,7 +54,7 @@ def op_and_definition_grads(case: Case, device, dtype, *, seed: int = 0, lse_wei
                 mask_leaf)
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     exact_leaf = None if mask_leaf is None else mask_leaf.detach().double().requires_grad_()
-    exact_mask = mask if exact_leaf is None else expanded_like(exact_leaf, mask)
+    exact_mask = mask if exact_leaf is None else exact_leaf.expand(mask.shape)
     want = grads(exact, definition(*exact, exact_mask, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, **kwargs), exact_leaf)
     return got, want
@@ -66,11 +66,6 @@ def unexpanded(mask: torch.Tensor) -> torch.Tensor:
         if mask.shape[dim] > 1 and mask.stride(dim) == 0:
             mask = mask.narrow(dim, 0, 1)
     return mask
-
-
-def expanded_like(leaf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``leaf`` (a mask as made, before any expand) broadcast as ``mask`` is."""
-    return leaf.expand(mask.shape) if leaf.shape != mask.shape else leaf
 
 
 def assert_grads_match(got: dict, want: dict, dtype) -> None:
@@ -115,5 +110,5 @@ MASK_GRAD_CASES = [
 ]
 
 
-__all__ = ["EMPTY_ROW_CASES", "MASK_GRAD_CASES", "GRAD_TOLERANCE", "assert_grads_match", "empty_rows_have_zero_grads",
-           "make_sinks", "op_and_definition_grads"]
+__all__ = ["EMPTY_ROW_CASES", "MASK_GRAD_CASES", "GRAD_TOLERANCE", "assert_grads_match",
+           "empty_rows_have_zero_grads", "make_sinks", "op_and_definition_grads"]
