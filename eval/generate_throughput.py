@@ -2,6 +2,7 @@
 
     python eval/generate_throughput.py          # Llama-3-8B and Mistral-7B shapes, all 32 layers
     python eval/generate_throughput.py --shapes llama3-8b --batch 1 8 --prompt 1024 --cache dynamic
+    python eval/generate_throughput.py --shapes llama3-8b --points 1x1024 1x8192 8x2048 --reps 5
 
 Models are built from configs with random weights (no download), bf16, one per backend with the
 same weights. For each (model, cache, batch, prompt length) every backend runs greedy
@@ -143,6 +144,15 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     return save_figure(fig, out_dir / "generate.png", dpi=70, measured_on_gpu=on_gpu)
 
 
+def _batch_and_prompt(text: str) -> tuple[int, int]:
+    """``"8x2048"`` -> ``(8, 2048)``."""
+    batch, _, prompt = text.partition("x")
+    if not (batch.isdigit() and prompt.isdigit() and int(batch) > 0 and int(prompt) > 0):
+        raise SystemExit(f"--points takes BATCHxPROMPT pairs of positive numbers such as "
+                         f"8x2048, got {text!r}")
+    return int(batch), int(prompt)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
@@ -150,6 +160,9 @@ def main(argv=None) -> int:
                         help="layers of the config-built models (default: all 32; 2 on a CPU)")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, nargs="+", default=None, help="prompt tokens")
+    parser.add_argument("--points", nargs="+", default=None, metavar="BATCHxPROMPT",
+                        help="(batch, prompt) pairs such as 1x1024 8x2048, instead of every "
+                             "--batch with every --prompt")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--cache", nargs="+", default=CACHES, choices=CACHES)
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
@@ -171,6 +184,10 @@ def main(argv=None) -> int:
                          f"token), got {args.new_tokens}")
     if min(args.batch or [1]) < 1 or min(args.prompt or [1]) < 1 or args.reps < 1:
         raise SystemExit("--batch, --prompt and --reps take positive numbers")
+    pairs = None if args.points is None else [_batch_and_prompt(text) for text in args.points]
+    if pairs is not None and (args.batch or args.prompt):
+        raise SystemExit("--points names the (batch, prompt) pairs: leave out --batch and "
+                         "--prompt")
     on_gpu, device, dtype = model_device("generate")
     shapes = args.shapes or (["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     batches = args.batch or ([1, 8, 32] if on_gpu else [1, 2])
@@ -180,8 +197,9 @@ def main(argv=None) -> int:
     out_dir = args.out or results_dir() / "generate"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = ResultsWriter(out_dir, "generate", COLUMNS, sys.argv)
+    pairs = pairs or [(batch, prompt) for batch in batches for prompt in prompts]
     points = [(shape, cache, batch, prompt) for shape in shapes for cache in args.cache
-              for batch in batches for prompt in prompts]
+              for batch, prompt in pairs]
     models, built = None, None
     for shape, cache, batch, prompt in progress(points, desc="generate"):
         if built != shape:

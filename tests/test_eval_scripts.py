@@ -101,6 +101,20 @@ def test_generate_cpu(tmp_path):
         generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
 
 
+def test_generate_points_cpu(tmp_path):
+    """--points runs the named (batch, prompt) pairs only, not their cross product."""
+    from eval import generate_throughput
+    assert generate_throughput.main(["--new-tokens", "3", "--points", "1x20", "2x12", "--cache",
+                                     "dynamic", "--backends", "tiled", "--reps", "1",
+                                     "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "generate.csv")
+    assert [(r["batch"], r["prompt"]) for r in rows] == [("1", "20"), ("2", "12")]
+    for bad in (["--points", "8by2048"], ["--points", "0x16"],
+                ["--points", "1x16", "--batch", "2"]):
+        with pytest.raises(SystemExit, match="--points"):
+            generate_throughput.main(bad + ["--out", str(tmp_path)])
+
+
 def test_profile_decode_step_cpu(tmp_path):
     from eval import profile_decode_step
     # A step's time is a difference of two timed generate() runs: 48 steps (~0.1-0.3 s on a
