@@ -58,7 +58,7 @@ def stubbed_launch():
                                     "_arch_major": lambda device: 9}),
                               (ct, {"launch": lambda *args: None}),
                               (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),
-                              (torch.cuda, {"current_device": lambda: None})):
+                              (torch._C, {"_cuda_getDevice": lambda: None})):
             for name, stub in value.items():
                 stack.enter_context(mock.patch.object(target, name, stub, create=True))
         hta.clear_caches()  # plans made here must not leak out, nor real ones in

@@ -34,6 +34,12 @@ PACKED_MAX_GROUP = 16
 # there are at most MAX_SPLITS.
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
+# A call whose launches the host makes every time (eager, not replayed from a CUDA graph) splits
+# its keys only when each unsplit block would stream at least this many bytes of K and V: below
+# that the GPU time a split saves (a few us) is less than the host time of the merge's launch
+# (about 8 us on the H200's host, twice that inside a model's layer), and a decode step at batch 1
+# is bound by the host (perf-notes step 31).
+EAGER_SPLIT_MIN_BYTES = 2 << 20
 # The merge reads at most this many fp32 partial outputs per load.
 MERGE_TILE_ELEMENTS = 8192
 MERGE_CHUNK_D = 64
@@ -95,11 +101,22 @@ class LaunchPlan:
     merge_grid: tuple[int, int, int]
     views: "BufferViews"
 
-    @property
+    @functools.cached_property
     def scalars(self) -> tuple[float, float, int, int, int]:
         """The attention kernel's runtime scalar parameters, in order."""
         return (self.variant.score_scale, self.variant.softcap_out, self.diag_offset,
                 self.window, self.kv_splits)
+
+    @functools.cached_property
+    def trailing_args(self) -> tuple:
+        """What the attention kernel's launch passes after its arrays: the scalars and the
+        constants."""
+        return self.scalars + (self.variant.constant_values,)
+
+    @functools.cached_property
+    def merge_trailing_args(self) -> tuple:
+        """What the merge's launch passes after its arrays (a plan that splits its keys)."""
+        return (self.kv_splits,) + self.merge
 
     # The kernel objects, looked up once per plan (plans are memoised: per-call host time).
     @functools.cached_property
@@ -118,9 +135,11 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
                 *, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
                 diag_offset: int, schedule: Schedule, return_lse: bool,
                 sm_count: int = 0, key_mask_table: bool = True,
-                mods: Optional[CompiledMods] = None) -> LaunchPlan:
+                mods: Optional[CompiledMods] = None, host_launched: bool = False) -> LaunchPlan:
     """``sm_count`` (the GPU's SM count; 0 = unknown) lets a call with too few query tiles to
-    fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0).
+    fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0);
+    ``host_launched`` (an eager call outside CUDA graph capture) limits that to calls whose
+    blocks would stream at least EAGER_SPLIT_MIN_BYTES each.
     ``key_mask_table``: a key-vector mask gets a per-tile state table, so empty key tiles are
     skipped (a mask with rows or heads always does); traced calls (CUDA graphs) pass False:
     there the table would be rebuilt by every layer of every step. ``mods``: the call's
@@ -145,9 +164,11 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     visible = max(hi - lo, 0)
     splits = 1
     if seq_q <= DECODE_QUERY_ROWS:  # key splits serve short queries only (Schedule.kv_splits)
+        short_stream = 2 * visible * head_dim * query.element_size() < EAGER_SPLIT_MIN_BYTES
         splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
                             math.ceil(visible / schedule.tile_n), sm_count,
-                            compiler_hints(schedule, g_tile, tile_m)[1])
+                            compiler_hints(schedule, g_tile, tile_m)[1],
+                            host_launched and short_stream)
     mask_layout = None
     if isinstance(mask, ModMask):
         mask_layout = (MASK_MOD, None, mask.batched, mask.headed, True, True)
@@ -191,10 +212,10 @@ def _next_power_of_two(n: int) -> int:
 
 
 def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
-               occupancy: int) -> int:
+               occupancy: int, launch_bound: bool) -> int:
     if schedule.kv_splits:
         return schedule.kv_splits
-    if not sm_count or blocks >= sm_count:
+    if not sm_count or blocks >= sm_count or launch_bound:
         return 1
     # At most one wave of blocks (a second, partial one would run alone at the end), each
     # streaming at least MIN_TILES_PER_SPLIT key tiles.
@@ -473,7 +494,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows, out_rows = (_group_rows(t, views.group_rows) for t in (query, out))
+        q_rows, out_rows = _group_rows(query, views.group_rows), _group_rows(out, views.group_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
@@ -506,18 +527,19 @@ def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: Optional[CompactMask | ModMask], *, eager: bool = True,
-               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               keep: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launches the attention kernel (and the merge when the keys are split) on the current
     stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
     for the registered op's calls, which keep no device memory (memo.may_keep_device_memory:
     torch.compile's CUDA graphs warm up and record them with allocations routed to a graph's
-    memory pool)."""
+    memory pool); ``keep``: that answer, when the caller has it already."""
     import cuda.tile as ct
 
     device = query.device
     # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    keep = may_keep_device_memory(eager, device)
+    if keep is None:
+        keep = may_keep_device_memory(eager, device)
     arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
 
     with launch_device(device):
@@ -525,21 +547,24 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     return arrays.out, arrays.lse
 
 
+_SAME_DEVICE = contextlib.nullcontext()  # (reusable: one object, not one per call)
+
+
 def launch_device(device: torch.device):
     """The context a launch on ``device`` runs in: cuTile launches into the current device's
     context, so another device is made current for it; nothing when ``device`` already is
     (entering ``torch.cuda.device`` costs host time on every call)."""
-    if device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+    if device.index == torch._C._cuda_getDevice():
+        return _SAME_DEVICE
     return torch.cuda.device(device)
 
 
 def _launch(ct, stream: int, plan: LaunchPlan, arrays: LaunchArrays) -> None:
     _naming_the_mods(plan, ct.launch, stream, plan.grid, plan.kernel,  # compiles once
-                     arrays.attention + plan.scalars + (plan.variant.constant_values,))
+                     arrays.attention + plan.trailing_args)
     if arrays.merge is not None:
         ct.launch(stream, plan.merge_grid, plan.merge_kernel,
-                  arrays.merge + (plan.kv_splits,) + plan.merge)
+                  arrays.merge + plan.merge_trailing_args)
 
 
 def _naming_the_mods(plan: LaunchPlan, compiles: Callable, *args, **kwargs):

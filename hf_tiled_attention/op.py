@@ -179,10 +179,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
+    compiling = torch.compiler.is_compiling()
     # (eager only: a transform would reach torch's own messages from deep inside the call)
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    if not compiling and torch._C._are_functorch_transforms_active():
         raise RuntimeError(HIGHER_ORDER_UNSUPPORTED)
-    if torch.compiler.is_compiling():
+    if compiling:
         # Traced graphs need the registered op (fake impl; its backward is registered below).
         # Mods cross as their generated code's key and their captured tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
@@ -345,23 +346,25 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out, (lse if return_lse else None)
     # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
     # step of a static-cache decode) reuses the first call's.
+    # (an eager call outside capture launches from the host every time: see launch.py)
+    keep = may_keep_device_memory(eager, device)
     memo_key = (query.shape, key.shape, query.dtype, device,
                 None if mask is None else mask.layout, causal, scale, window, softcap,
                 diag_offset, explicit, active_override(), return_lse, key_mask_table,
-                autotune.state(), mods)
+                autotune.state(), mods, keep)
     plan = _plans.get(memo_key)
     if plan is None:
         plan = _plans.put(memo_key, _plan(query, key, value, mask, causal, scale, window,
                                           softcap, diag_offset, explicit, return_lse,
-                                          key_mask_table, mods))
-    return run_kernel(plan, query, key, value, mask, eager=eager)
+                                          key_mask_table, mods, keep))
+    return run_kernel(plan, query, key, value, mask, keep=keep)
 
 
 _plans = Memo("launch plans", 4096)
 
 
 def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, explicit,
-          return_lse, key_mask_table, mods=None) -> LaunchPlan:
+          return_lse, key_mask_table, mods=None, host_launched=False) -> LaunchPlan:
     """The launch plan of a call: the default table's schedule (or the autotuner's, which may
     time candidates on this call's inputs first) under the call's overrides."""
     device = query.device
@@ -371,7 +374,8 @@ def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, 
         return plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
                            softcap=softcap, diag_offset=diag_offset, schedule=schedule,
                            return_lse=return_lse, sm_count=_sm_count(device),
-                           key_mask_table=key_mask_table, mods=mods)
+                           key_mask_table=key_mask_table, mods=mods,
+                           host_launched=host_launched)
 
     tuned = None
     if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():

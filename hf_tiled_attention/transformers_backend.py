@@ -63,8 +63,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``query`` ``(B, Hq, Sq, D)`` (a strided view is fine),
     ``key``/``value`` ``(B, Hkv, Skv, D)``, unrepeated. Returns ``(out (B, Sq, Hq, D), None)``."""
-    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None),
-                                                  "output_attentions", False) is True:
+    if kwargs.get("output_attentions") or _config_asks_for_weights(module):
         raise ValueError("attn_implementation='tiled' does not compute attention weights "
                          "(output_attentions=True). Use attn_implementation='eager' to get them.")
     if dropout and getattr(module, "training", False):
@@ -142,6 +141,19 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it: the op
     # lays its output out that way in memory, so this is a view, not a copy.
     return out.transpose(1, 2).contiguous(), None
+
+
+def _config_asks_for_weights(module: torch.nn.Module) -> bool:
+    """Whether the layer's config sets ``output_attentions``. Read from the config's own
+    attributes: transformers' config ``__getattribute__`` (two layers of hooks) costs more host
+    time than the rest of a decode call's checks."""
+    config = getattr(module, "config", None)
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:  # (no config, or one without instance attributes)
+        return getattr(config, "output_attentions", False) is True
+    # (PreTrainedConfig keeps the flag behind a property, in _output_attentions)
+    return own.get("_output_attentions", own.get("output_attentions", False)) is True
 
 
 def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor], attention_mask,

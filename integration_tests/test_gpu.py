@@ -86,8 +86,9 @@ def test_greedy_generate_teacher_forced(name, cache):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
 def test_batch_one_long_prompt_generate_matches_eager(name, cache):
-    """Batch 1 after a 1100-token prompt: decode splits the keys over blocks (the key-split
-    path and its merge), inside CUDA graphs with the static cache's compiled step. fp32 (the
+    """Batch 1 after a 1100-token prompt: the static cache's compiled step splits the keys over
+    blocks inside CUDA graphs (the key-split path and its merge); the dynamic cache's eager
+    calls run unsplit (launch.EAGER_SPLIT_MIN_BYTES). fp32 (the
     kernel's TF32x3 path) so the check is sharp: every step's logits within 2e-3 of eager's
     fp32 teacher-forced ones, and each token eager's own argmax."""
     ids, mask = padded_batch([1100], 1100, "left", seed=7, device="cuda")

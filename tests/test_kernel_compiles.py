@@ -11,6 +11,7 @@ the same at every head dim (fp32's three-TF32 variants cost 5-25 s each to compi
 sm_120 for one of them, so they are not repeated per arch).
 """
 
+import dataclasses
 import inspect
 
 import pytest
@@ -168,6 +169,34 @@ def test_decode_splits_fill_the_gpu():
                             diag_offset=131071, schedule=schedule, return_lse=False,
                             sm_count=132)
     assert big_batch.kv_splits == 1 and big_batch.merge is None  # 256 blocks fill it already
+
+
+def test_host_launched_decode_splits_only_long_key_streams():
+    """An eager decode call launches from the host each time: below EAGER_SPLIT_MIN_BYTES of
+    K/V per unsplit block the merge's launch costs more than the split saves, so it runs as one
+    launch; a CUDA-graph replay (host_launched=False) keeps its splits; asked-for splits stay."""
+    from hf_tiled_attention.launch import EAGER_SPLIT_MIN_BYTES
+
+    def plan(seq_kv, host_launched, kv_splits=None, dtype=torch.bfloat16, head_dim=128):
+        q = torch.empty(1, 32, 1, head_dim, dtype=dtype, device="meta")
+        k = torch.empty(1, 8, seq_kv, head_dim, dtype=dtype, device="meta")
+        schedule = resolve_schedule(None, 9, dtype, head_dim, True, seq_q=1, seq_kv=seq_kv)
+        if kv_splits is not None:
+            schedule = dataclasses.replace(schedule, kv_splits=kv_splits)
+        return plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
+                           diag_offset=seq_kv - 1, schedule=schedule, return_lse=False,
+                           sm_count=132, host_launched=host_launched)
+
+    # 2 x 1025 keys x 128 x 2 bytes: 0.5 MB per block
+    assert plan(1025, True).kv_splits == 1 and plan(1025, True).merge is None
+    assert plan(1025, False).kv_splits > 1
+    # the boundary, in bytes of K and V per unsplit block (bf16: 512 per key at D=128)
+    edge = EAGER_SPLIT_MIN_BYTES // 512
+    assert plan(edge - 1, True).kv_splits == 1 and plan(edge, True).kv_splits > 1
+    # fp32 streams twice the bytes per key: half the keys reach it
+    assert plan(edge // 2, True, dtype=torch.float32).kv_splits > 1
+    assert plan(8193, True).kv_splits == plan(8193, False).kv_splits > 1
+    assert plan(1025, True, kv_splits=3).kv_splits == 3  # asked for: as asked
 
 
 def test_head_dim_split_reaches_the_kernel():
