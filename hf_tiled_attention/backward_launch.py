@@ -190,10 +190,10 @@ def mask_grad_buffer(mask_shape: tuple, query_shape: tuple, tile_m: int, determi
     fixed order; else the mask's own batch and head dims, where blocks that share an element
     add in any order (the last bits vary run to run). :func:`summed_mask_grad` reduces it to
     the mask's shape."""
-    batch, heads_q, seq_q, _ = query_shape
-    mask_batch, mask_heads, mask_rows, seq_kv = mask_shape
     if not deterministic:
         return torch.zeros(mask_shape, dtype=torch.float32, device=device)
+    batch, heads_q, seq_q, _ = query_shape
+    mask_rows, seq_kv = mask_shape[2:]
     rows = mask_rows if mask_rows > 1 else math.ceil(seq_q / tile_m)
     return torch.zeros((batch, heads_q, rows, seq_kv), dtype=torch.float32, device=device)
 

@@ -111,14 +111,17 @@ def tiled_attention(
     diag_offset = key.shape[2] - query.shape[2]
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = _checked_mods(score_mod, mask_mod, attn_mask, softcap, query)
+        mods = checked_mods(score_mod, mask_mod, attn_mask, softcap, query)
     out, lse = attention(query, key, value, attn_mask, causal=is_causal, scale=scale,
                          window=window, softcap=softcap, diag_offset=diag_offset,
                          schedule=schedule, return_lse=return_lse, mods=mods, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
-def _checked_mods(score_mod, mask_mod, attn_mask, softcap, query) -> CompiledMods:
+def checked_mods(score_mod, mask_mod, attn_mask, softcap, query) -> CompiledMods:
+    """A call's ``score_mod`` / ``mask_mod`` checked against its other arguments and
+    translated for the kernels (traced under torch.compile); their captured tensors must be on
+    the query's device."""
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")

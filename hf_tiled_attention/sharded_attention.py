@@ -23,7 +23,7 @@ import torch
 
 from .checks import check_inputs, check_options, check_sinks
 from .key_exchange import ExchangePlan, KeyRule, exchange_keys, plan_exchange
-from .op import _checked_mods, attention
+from .op import checked_mods, attention
 from .shard_layout import SequenceLayout, document_bounds
 from .variants import and_masks
 
@@ -220,7 +220,7 @@ def _global_masks(shards: SequenceShards, query_start: int, key_start: int, key_
         combined = part if combined is None else and_masks(combined, part)
     mods = None
     if global_score is not None or combined is not None:
-        mods = _checked_mods(global_score, combined, None, softcap, query)
+        mods = checked_mods(global_score, combined, None, softcap, query)
     return attn_mask, mods
 
 
