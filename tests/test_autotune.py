@@ -96,7 +96,7 @@ def stubbed_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(op, "_sm_count", lambda device: 132)
 
-    def fake_run(plan, q, k, v, mask, eager=True):
+    def fake_run(plan, q, k, v, mask, eager=True, keep=None):
         plans.append(plan)
         return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
 
