@@ -148,6 +148,8 @@ def _config_asks_for_weights(module: torch.nn.Module) -> bool:
     attributes: transformers' config ``__getattribute__`` (two layers of hooks) costs more host
     time than the rest of a decode call's checks."""
     config = getattr(module, "config", None)
+    if torch.compiler.is_compiling():  # (traced once: dynamo cannot trace the direct read)
+        return getattr(config, "output_attentions", False) is True
     try:
         own = object.__getattribute__(config, "__dict__")
     except AttributeError:  # (no config, or one without instance attributes)
