@@ -439,12 +439,10 @@ def _contiguous_strides(shape: tuple) -> tuple:
 class BufferViews(NamedTuple):
     """How a launch views its own buffers, worked out once per plan (per-call host time):
     the shape of the packed ``(B, heads, Sq, pack, D)`` views of the queries and the output, and
-    ``(shape, strides)`` of the output's (laid out as reference.empty_output lays it out) and
-    of the LSE's (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs
-    and outputs in one fp32 workspace of ``workspace`` elements (outputs from
-    ``part_offset``; None unless split)."""
+    ``(shape, strides)`` of the LSE's (None unless packed), and of the key splits'
+    ``(S, B * heads, ...)`` LSEs and outputs in one fp32 workspace of ``workspace`` elements
+    (outputs from ``part_offset``; None unless split)."""
     group_rows: Optional[tuple]
-    out_rows: Optional[tuple]
     lse_rows: Optional[tuple]
     part_lse: Optional[tuple]
     part_out: Optional[tuple]
@@ -455,15 +453,12 @@ class BufferViews(NamedTuple):
 @memoize(1024)
 def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
                  g_tile: int, splits: int) -> BufferViews:
-    group_rows = out_rows = lse_rows = part_lse = part_out = None
+    group_rows = lse_rows = part_lse = part_out = None
     rows_shape = (heads_q, seq_q, head_dim)
     if g_tile > 1:
         pack = heads_q // heads_grid
         rows_shape = (heads_grid, seq_q, pack, head_dim)
         group_rows = (batch,) + rows_shape
-        # (the (B, Sq, Hq, D) memory of empty_output, seen as _group_rows sees it)
-        out_rows = (group_rows, (seq_q * heads_q * head_dim, pack * head_dim, heads_q * head_dim,
-                                 head_dim, 1))
         lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, pack * seq_q, 1, seq_q))
     offset = workspace = 0
     if splits > 1:  # (splits, B * heads, ...): a slice's rows for all heads and batch rows
@@ -473,7 +468,7 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
         workspace = offset + lse_size * head_dim
         part_lse = (out_shape[:-1], _contiguous_strides(out_shape[:-1]))
         part_out = (out_shape, _contiguous_strides(out_shape))
-    return BufferViews(group_rows, out_rows, lse_rows, part_lse, part_out, offset, workspace)
+    return BufferViews(group_rows, lse_rows, part_lse, part_out, offset, workspace)
 
 
 class LaunchArrays(NamedTuple):
@@ -499,7 +494,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows, out_rows = _group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
+        q_rows, out_rows = _group_rows(query, views.group_rows), _group_rows(out, views.group_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
