@@ -12,6 +12,11 @@ reasons.
     python eval/ncu_profile.py --causal --backends tiled sdpa_cudnn
     python eval/ncu_profile.py --seq 1024 --batch 16
     python eval/ncu_profile.py --backward --backends tiled sdpa_cudnn   # the backward's kernels
+    python eval/ncu_profile.py --backward --variant documents --backends tiled flex
+
+``--variant``: one of backward_bench.py's variants (its mods for `tiled`, the same mods and a
+block mask for `flex`, FlexAttention compiled before the profiled part); ``--causal`` is then
+the variant's.
 
 Needs a GPU whose counters ncu can read (a Firecracker host of the lent H200s can).
 """
@@ -68,7 +73,12 @@ def workload(args) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=gen, device="cuda",
                            dtype=dtype) for h in (hq, hkv, hkv))
-    fn = make_call(args.workload, args.causal, parse_schedules(args.schedule)[0])
+    if args.variant:
+        from eval import backward_bench
+        spec = backward_bench.call_spec(args.variant, args.batch, hq, args.seq, None, "cuda")
+        fn = backward_bench.make_call(args.workload, spec, args.batch, hq, args.seq, "cuda")
+    else:
+        fn = make_call(args.workload, args.causal, parse_schedules(args.schedule)[0])
     if args.backward:  # the forward runs before the profiled part: only the backward counts
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         d_out = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
@@ -145,6 +155,8 @@ def forwarded(args) -> list[str]:
              "--head-dim", str(args.head_dim), "--dtype", args.dtype]
     for spec in args.schedule:
         flags += ["--schedule", spec]
+    if args.variant:
+        flags += ["--variant", args.variant]
     return (flags + (["--causal"] if args.causal else [])
             + (["--backward"] if args.backward else []))
 
@@ -161,6 +173,8 @@ def main(argv=None) -> int:
                         help="profile the backward pass (dQ, dK, dV) instead of the forward")
     parser.add_argument("--schedule", action="append", default=[],
                         help="a Schedule field for tiled: FIELD=VALUE (repeatable)")
+    parser.add_argument("--variant", default=None,
+                        help="a backward_bench.py variant (documents, sliding-window, ...)")
     parser.add_argument("--backends", nargs="+", default=["tiled", "sdpa_cudnn", "sdpa_flash"])
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -173,7 +187,9 @@ def main(argv=None) -> int:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not Path(ncu).exists():
         raise SystemExit("ncu_profile: Nsight Compute (ncu) not found on PATH")
-    causal = "causal" if args.causal else "noncausal"
+    if args.variant and args.schedule:
+        raise SystemExit("ncu_profile: --schedule applies without --variant only")
+    causal = args.variant or ("causal" if args.causal else "noncausal")
     args.out = args.out or results_dir() / "ncu" / (
         f"{args.dtype}-b{args.batch}-h{args.heads.replace('/', '-')}-s{args.seq}"
         f"-d{args.head_dim}-{causal}{'-backward' if args.backward else ''}")

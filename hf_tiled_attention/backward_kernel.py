@@ -42,7 +42,7 @@ import cuda.tile as ct
 from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
                             NO_MASK_GRAD, TILE_EMPTY, TILE_FULL, TILE_PARTIAL)
-from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges
+from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges, table_row
 from .visibility import clip_tiles, query_tiles, visible
 
 
@@ -80,6 +80,10 @@ def attention_backward_kv(
     n_tile = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)
+    mask_b = batch if C[P.MASK_BATCHED] else 0
+    if C[P.TABLE_ORDER]:  # (the group's first head's order when the mask has heads)
+        n_tile = table_row(TileRange, mask_b, kv_head * C[P.GROUP] if C[P.MASK_HEADED] else 0,
+                           n_tile)
     seq_q = Q.shape[2]
     seq_kv = K.shape[2]
     key_lo = n_tile * TILE_N
@@ -93,7 +97,6 @@ def attention_backward_kv(
     # A mask with a row per query has a per-(key tile, query tile) table (transposed); one row
     # for all queries has a single state per key tile.
     ROW_TABLE = MASK_KIND != NO_MASK and C[P.MASK_ROWS]
-    mask_b = batch if C[P.MASK_BATCHED] else 0
     grads = (ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32),
              ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32))
     for g in range(C[P.GROUP]):
@@ -150,8 +153,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     if EDGE:
         tile_state = key_state
         if C[P.MASK_KIND] != NO_MASK and C[P.MASK_ROWS]:
-            tile_state = ct.load(TileState, index=(mask_b, mask_h, n_tile, i),
-                                 shape=(1, 1, 1, 1)).item()
+            tile_state = _edge_state(TileState, (mask_b, mask_h, n_tile, i), C)
     if tile_state != TILE_EMPTY:
         q = load_rows(Q, batch, head, i, 0, TILE_M, 1, TILE_D)
         do = load_rows(dOut, batch, head, i, 0, TILE_M, 1, TILE_D)
@@ -202,7 +204,10 @@ def attention_backward_q(
     m_tile = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
-    if C[P.HEAVY_FIRST]:
+    if C[P.TABLE_ORDER]:
+        m_tile = table_row(TileRange, batch if C[P.MASK_BATCHED] else 0,
+                           head if C[P.MASK_HEADED] else 0, m_tile)
+    elif C[P.HEAVY_FIRST]:
         m_tile = ct.num_blocks(0) - 1 - m_tile
     kv_head = head // C[P.GROUP]
     seq_q = Q.shape[2]
@@ -251,8 +256,7 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
     TILE_D = C[P.TILE_D]
     tile_state = TILE_FULL
     if EDGE and C[P.MASK_KIND] != NO_MASK:
-        tile_state = ct.load(TileState, index=(mask_b, mask_h, mask_m, j),
-                             shape=(1, 1, 1, 1)).item()
+        tile_state = _edge_state(TileState, (mask_b, mask_h, mask_m, j), C)
     if tile_state != TILE_EMPTY:
         k = load_rows(K, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
         v = load_rows(V, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
@@ -313,6 +317,15 @@ def _transposed(Array, tile, batch, head, index, ROWS, TILE_D, C):
                        order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO
                        ).reshape((TILE_D, ROWS))
     return ct.transpose(tile)
+
+
+def _edge_state(TileState, index, C):
+    """The state of an edge step's tile: read from the block table (EDGE_STATES, or a mask
+    with one row for all queries), else TILE_PARTIAL, a compile-time constant: the mask is
+    applied, nothing is skipped and no branch waits on a load."""
+    if C[P.EDGE_STATES] or not C[P.MASK_ROWS]:
+        return ct.load(TileState, index=index, shape=(1, 1, 1, 1)).item()
+    return TILE_PARTIAL
 
 
 def _load_row_values(Values, batch, head, tile, TILE_M, padding):

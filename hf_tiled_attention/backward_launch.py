@@ -98,7 +98,9 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,
             LOAD_TRANSPOSED=schedule.load_transposed,
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
-            DQ_ADD=dq_add and in_kv_kernel)
+            DQ_ADD=dq_add and in_kv_kernel,
+            TABLE_ORDER=schedule.table_order and kind != NO_MASK and per_row,
+            EDGE_STATES=schedule.edge_states)
 
     return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys, True),
                         constants(schedule.q_rows, schedule.q_keys, False), schedule,

@@ -41,7 +41,10 @@ RANGE_GAP_HI = 2
 RANGE_FULL_LO = 3   # [FULL_LO, FULL_HI): its longest run of full tiles
 RANGE_FULL_HI = 4
 RANGE_END = 5       # one past its last non-empty key tile
-RANGE_SLOTS = 6
+RANGE_ORDER = 6     # in row r: the row with the r-th most walked tiles (ties by index): the
+                    # backward's blocks take their tiles longest first (BackwardSchedule
+                    # .table_order)
+RANGE_SLOTS = 7
 
 
 class AttentionConstants(NamedTuple):
@@ -80,6 +83,11 @@ class AttentionConstants(NamedTuple):
                         # tile's row sum (MASK_GRAD_ROW_SUMS: a mask with one row)
     DQ_ADD: bool        # backward's dK/dV kernel also makes dQ, added into an fp32 array by
                         # TMA reduce-add (no dQ kernel; not bitwise reproducible)
+    TABLE_ORDER: bool   # backward, a mask with a row per query: block i takes the table's row
+                        # RANGE_ORDER of row i (longest walk first)
+    EDGE_STATES: bool   # backward, a mask with a row per query: an edge step reads its tile's
+                        # state and skips an empty tile (else it applies the mask unread,
+                        # without a data-dependent branch: BackwardSchedule.edge_states)
 
 
 # C[P.CAUSAL] and friends: each field's index under its own name.

@@ -258,7 +258,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
-        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False)
+        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, TABLE_ORDER=False, EDGE_STATES=True)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,

@@ -29,10 +29,11 @@ MOD_TABLE_CHUNK = 1 << 22
 
 class BlockTable(NamedTuple):
     """``states`` (Bm, Hm, n_m, n_n) int8 TILE_EMPTY / TILE_PARTIAL / TILE_FULL; ``ranges``
-    (Bm, Hm, n_m, 6) int32, per query tile (kernel_params.RANGE_* slots): its first non-empty
+    (Bm, Hm, n_m, 7) int32, per query tile (kernel_params.RANGE_* slots): its first non-empty
     key tile; the longest gap of empty tiles [start, end) after it and before the full run; the
     longest run of full tiles [start, end); one past its last non-empty tile. An empty gap or
-    run has start == end (a run then sits at the end). FlexAttention's BlockMask keeps the same
+    run has start == end (a run then sits at the end). The last slot is not the tile's own: in
+    row r it is the row with the r-th longest walk (non-empty span less the gap). FlexAttention's BlockMask keeps the same
     in both directions; :meth:`transposed` gives the other one (per key tile, its query
     tiles), which a backward pass over key tiles walks."""
     states: torch.Tensor
@@ -46,7 +47,7 @@ class BlockTable(NamedTuple):
 
 
 def tile_ranges(states: torch.Tensor) -> torch.Tensor:
-    """The :class:`BlockTable` ranges of a state table."""
+    """The :class:`BlockTable` ranges of a state table (kernel_params.RANGE_* slots)."""
     n = states.shape[-1]
     index = torch.arange(n, device=states.device, dtype=torch.int64)
     nonempty = states != TILE_EMPTY
@@ -55,7 +56,9 @@ def tile_ranges(states: torch.Tensor) -> torch.Tensor:
     run_lo, run_hi = _longest_run(states == TILE_FULL, index, end)
     gap = (states == TILE_EMPTY) & (index >= first) & (index < run_lo)
     gap_lo, gap_hi = _longest_run(gap, index, first)
-    return torch.cat([first, gap_lo, gap_hi, run_lo, run_hi, end],
+    walked = (end - first).clamp_min(0) - (gap_hi - gap_lo)
+    longest_first = torch.sort(walked, dim=-2, descending=True, stable=True).indices
+    return torch.cat([first, gap_lo, gap_hi, run_lo, run_hi, end, longest_first],
                      dim=-1).to(torch.int32).contiguous()
 
 

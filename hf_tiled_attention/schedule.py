@@ -334,6 +334,18 @@ class BackwardSchedule:
         dq_add: the dK/dV kernel also makes dQ (one more MMA per step) and adds it into an
             fp32 array with TMA reduce-adds, and the dQ kernel is not launched; taken only when
             the backward need not be deterministic (determinism.deterministic()).
+        table_order: with a mask that has a row per query, the blocks of both kernels take
+            their tiles (key tiles in dK/dV, query tiles in dQ) in the order of the block
+            table's walk lengths, longest first (kernel_params.RANGE_ORDER), instead of grid
+            order: a mask's long walks (a long document's first key tiles) then do not start
+            last and run alone at the end of the launch.
+        edge_states: with a mask that has a row per query (a mask_mod, a per-row bool or
+            additive mask), each step outside a tile's run of full tiles reads the tile's state
+            from the block table and skips an empty tile (True), or applies the mask to every
+            such step without reading the state (False: no load in the step's critical path and
+            no data-dependent branch around its loads and MMAs; an empty tile inside the walked
+            range, which the table's jumped gap does not cover, is then computed and contributes
+            exactly 0).
         rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
             (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
             Without hints the compiler gave it 255 registers and one block per SM: 121 us at
@@ -350,6 +362,8 @@ class BackwardSchedule:
     q_occupancy: int = 1
     load_transposed: bool = False
     dq_add: bool = False
+    table_order: bool = False
+    edge_states: bool = True
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4

@@ -12,7 +12,7 @@ import cuda.tile as ct
 
 from . import kernel_params as P
 from .kernel_params import (NO_MASK, RANGE_END, RANGE_FIRST, RANGE_FULL_HI, RANGE_FULL_LO,
-                            RANGE_GAP_HI, RANGE_GAP_LO)
+                            RANGE_GAP_HI, RANGE_GAP_LO, RANGE_ORDER)
 from .visibility import clip_tiles, key_tiles
 
 
@@ -76,6 +76,11 @@ def table_ranges(TileRange, mask_b, mask_h, row):
             _table_range(TileRange, mask_b, mask_h, row, RANGE_FULL_LO),
             _table_range(TileRange, mask_b, mask_h, row, RANGE_FULL_HI),
             _table_range(TileRange, mask_b, mask_h, row, RANGE_END))
+
+
+def table_row(TileRange, mask_b, mask_h, block):
+    """The table row (tile) that grid block ``block`` takes: longest walk first."""
+    return _table_range(TileRange, mask_b, mask_h, block, RANGE_ORDER)
 
 
 def _table_range(TileRange, mask_b, mask_h, row, slot):

@@ -40,7 +40,7 @@ def _hard_score_mod(score, b, h, q_idx, kv_idx):
 
 
 def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
-            score_mod=None, mask_grad=False, dq_add=False):
+            score_mod=None, mask_grad=False, dq_add=False, **schedule_changes):
     q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
     k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
     compact = _mask(mask, dtype)
@@ -49,7 +49,7 @@ def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="b
         mods = compile_mods(score_mod, hta.variants.document_mask(torch.arange(S) // 70),
                             fast_math=dtype != torch.float32)
         compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
-    schedule = replace(backward_schedule(head_dim), dq_add=dq_add)
+    schedule = replace(backward_schedule(head_dim), dq_add=dq_add, **schedule_changes)
     plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
                          window is not None, softcap, mods, schedule, mask_grad, not dq_add)
     assert plan.kv.DQ_ADD is dq_add and (plan.kv.MASK_GRAD != 0) is mask_grad
@@ -70,6 +70,10 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
                                                   mask="additive_heads"), id="sm_90-additive"),
     pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, softcap=None,
                                                     mask="documents"), id="sm_90-mask_mod"),
+    # the mask walk's other schedule: edge steps without states, blocks longest walk first
+    pytest.param("sm_90", torch.bfloat16, 128, dict(window=None, softcap=None, mask="documents",
+                                                    edge_states=False, table_order=True),
+                 id="sm_90-mask_mod-edge_states"),
     pytest.param("sm_90", torch.bfloat16, 64, dict(
         window=None, softcap=None, mask=None,
         score_mod=hta.variants.alibi(hta.variants.alibi_slopes(HQ))), id="sm_90-alibi-documents"),

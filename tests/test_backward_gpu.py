@@ -229,3 +229,29 @@ def test_dq_added_in_the_kv_kernel(case):
     finally:
         set_backward_schedule(None)
         hta.set_deterministic(None)
+
+
+@pytest.mark.parametrize("edge_states, table_order", [(False, False), (False, True),
+                                                      (True, True)])
+def test_mask_walk_schedules(edge_states, table_order):
+    """BackwardSchedule.edge_states / table_order (the table's defaults: True, False) on
+    uneven documents and on striped rows and keys, whose walks hold empty tiles besides the
+    one gap the table jumps (computed, contributing 0, without edge_states)."""
+    from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
+
+    lengths = torch.tensor([7, 150, 33, 260, 90, 60])
+    ids = torch.repeat_interleave(torch.arange(6), lengths).cuda()
+    seen = (torch.arange(600) % 200 < 50).cuda()  # rows and keys 50-199 of every 200 hidden
+
+    def stripes(b, h, q_idx, kv_idx):
+        return seen[q_idx] & seen[kv_idx]
+
+    case = Case(heads_q=8, heads_kv=2, seq_q=600, seq_kv=600, head_dim=64)
+    set_backward_schedule(replace(backward_schedule(64), edge_states=edge_states,
+                                  table_order=table_order))
+    try:
+        check_grads(replace(case, causal=True), torch.bfloat16,
+                    mask_mod=hta.variants.document_mask(ids))
+        check_grads(case, torch.bfloat16, mask_mod=stripes)
+    finally:
+        set_backward_schedule(None)
