@@ -27,7 +27,8 @@ an fp32 array, the dQ kernel then not launched (FlashAttention-3's layout; off i
 schedules, measured slower: perf-notes step 30).
 
 Both read the constants as the forward does (one ``kernel_params.AttentionConstants`` tuple;
-TILE_M is the query tile, TILE_N the key tile) and hide scores with the forward's rules: the
+TILE_M is the query tile, TILE_N the key tile; a head dim of two powers of two, 96 = 64 + 32,
+is held as two tiles, :func:`_load_parts`) and hide scores with the forward's rules: the
 visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per mod by the
 launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
 (ALiBi, bias tables: derivative 1) or when mod_derivative derived its derivative in the
@@ -43,7 +44,7 @@ from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
                             NO_MASK_GRAD, TILE_EMPTY, TILE_FULL, TILE_PARTIAL)
 from .tile_rows import key_tile_walk, load_rows, mma, store_rows, table_ranges, table_row
-from .visibility import clip_tiles, query_tiles, visible
+from .visibility import clip_tiles, edge_count, edge_tile, query_tiles, visible
 
 
 def _score_mod(score, b, h, q_idx, kv_idx, captures):
@@ -71,11 +72,10 @@ def attention_backward_kv(
     grad_scale: float,    # d(score)/d(q.k) outside softcap's tanh: the scale
     diag_offset: int,
     window: int,
-    C: ct.Constant,       # kernel_params.AttentionConstants (G_TILE 1, no TAIL_D)
+    C: ct.Constant,       # kernel_params.AttentionConstants (G_TILE 1; TAIL_D: _load_parts)
 ):
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
-    TILE_D = C[P.TILE_D]
     MASK_KIND = C[P.MASK_KIND]
     n_tile = ct.bid(0)
     kv_head = ct.bid(1)
@@ -90,15 +90,14 @@ def attention_backward_kv(
     key_hi = min(key_lo + TILE_N, seq_kv) - 1
     first, end, full_lo, full_hi = query_tiles(key_lo, key_hi, seq_q, diag_offset, window,
                                                TILE_M, C[P.CAUSAL], C[P.WINDOWED])
-    k = load_rows(K, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
-    v = load_rows(V, batch, kv_head, n_tile, 0, TILE_N, 1, TILE_D)
+    k = _load_parts(K, batch, kv_head, n_tile, TILE_N, C)
+    v = _load_parts(V, batch, kv_head, n_tile, TILE_N, C)
     kv_idx = (key_lo + ct.arange(TILE_N, dtype=ct.int32))[:, None]
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)[None, :]
     # A mask with a row per query has a per-(key tile, query tile) table (transposed); one row
     # for all queries has a single state per key tile.
     ROW_TABLE = MASK_KIND != NO_MASK and C[P.MASK_ROWS]
-    grads = (ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32),
-             ct.full((TILE_N, TILE_D), 0.0, dtype=ct.float32))
+    grads = (_zero_parts(TILE_N, C), _zero_parts(TILE_N, C))
     for g in range(C[P.GROUP]):
         head = kv_head * C[P.GROUP] + g
         mask_h = head if C[P.MASK_HEADED] else 0
@@ -122,18 +121,14 @@ def attention_backward_kv(
         where = (batch, head, mask_b, mask_h, n_tile, key_state)
         arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale)
         scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
-        if ROW_TABLE:
-            for i in range(i_first, gap_lo):
-                grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
-        for i in range(gap_hi, i_full_lo):
+        for t in range(edge_count(i_first, gap_lo, gap_hi, i_full_lo, i_full_hi, i_end)):
+            i = edge_tile(t, i_first, gap_lo, gap_hi, i_full_lo, i_full_hi)
             grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
         for i in range(i_full_lo, i_full_hi):
             grads = _key_tile_step(i, grads, rows, where, arrays, scalars, False, C)
-        for i in range(i_full_hi, i_end):
-            grads = _key_tile_step(i, grads, rows, where, arrays, scalars, True, C)
     dk, dv = grads
-    store_rows(dK, batch, kv_head, n_tile, 0, dk * grad_scale, TILE_N, 1, TILE_D)
-    store_rows(dV, batch, kv_head, n_tile, 0, dv, TILE_N, 1, TILE_D)
+    _store_parts(dK, batch, kv_head, n_tile, dk, grad_scale, TILE_N, C)
+    _store_parts(dV, batch, kv_head, n_tile, dv, 1.0, TILE_N, C)
 
 
 attention_backward_kv_kernel = ct.kernel(attention_backward_kv)
@@ -148,19 +143,18 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale = arrays
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
-    TILE_D = C[P.TILE_D]
     tile_state = TILE_FULL
     if EDGE:
         tile_state = key_state
         if C[P.MASK_KIND] != NO_MASK and C[P.MASK_ROWS]:
             tile_state = _edge_state(TileState, (mask_b, mask_h, n_tile, i), C)
     if tile_state != TILE_EMPTY:
-        q = load_rows(Q, batch, head, i, 0, TILE_M, 1, TILE_D)
-        do = load_rows(dOut, batch, head, i, 0, TILE_M, 1, TILE_D)
+        q = _load_parts(Q, batch, head, i, TILE_M, C)
+        do = _load_parts(dOut, batch, head, i, TILE_M, C)
         lse = _load_row_values(LseB, batch, head, i, TILE_M, ct.PaddingMode.POS_INF)
         delta = _load_row_values(Delta, batch, head, i, TILE_M, ct.PaddingMode.ZERO)
-        qk = mma(k, _transposed(Q, q, batch, head, i, TILE_M, TILE_D, C),
-                 ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+        qk = _contract(k, _transposed_parts(Q, q, batch, head, i, TILE_M, C),
+                       ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32), C)
         s, tanh = _scores(qk, scalars, C)
         unmodified = s
         q_idx = i * TILE_M + row_in_tile
@@ -170,9 +164,9 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
                                                          n_tile), Mask, Captures, scalars,
                     True, C)
         p = _probabilities(s, lse.reshape((1, TILE_M)), C)
-        dv = mma(p.astype(dOut.dtype), do, dv)
-        dp = mma(v, _transposed(dOut, do, batch, head, i, TILE_M, TILE_D, C),
-                 ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+        dv = _accumulate(p.astype(dOut.dtype), do, dv, C)
+        dp = _contract(v, _transposed_parts(dOut, do, batch, head, i, TILE_M, C),
+                       ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32), C)
         ds = p * (dp - delta.reshape((1, TILE_M)))
         if C[P.MASK_GRAD] != NO_MASK_GRAD:
             _add_mask_grad(DMask, ds, batch, head, i, n_tile, C)
@@ -180,11 +174,10 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
         ds = ds.astype(Q.dtype)
-        dk = mma(ds, q, dk)
+        dk = _accumulate(ds, q, dk, C)
         if C[P.DQ_ADD]:
-            dq = mma(ct.transpose(ds), k, ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32))
-            dQAdd.tiled_view((1, 1, TILE_M, TILE_D)).atomic_store_add(
-                (batch, head, i, 0), (dq * grad_scale).reshape((1, 1, TILE_M, TILE_D)))
+            dq = _accumulate(ct.transpose(ds), k, _zero_parts(TILE_M, C), C)
+            _add_parts(dQAdd, batch, head, i, dq, grad_scale, TILE_M, C)
     return dk, dv
 
 
@@ -199,8 +192,6 @@ def attention_backward_q(
 ):
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
-    TILE_D = C[P.TILE_D]
-    MASK_KIND = C[P.MASK_KIND]
     m_tile = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
@@ -217,9 +208,8 @@ def attention_backward_q(
     (mask_b, mask_h, mask_m), walk = key_tile_walk(TileRange, batch, head, m_tile, row_lo,
                                                    row_hi, diag_offset, seq_kv, window, 0, 1, C)
     first, gap_lo, gap_hi, full_lo, full_hi, end = walk
-    TABLE = MASK_KIND != NO_MASK  # (the backward always has its mask's tables)
-    q = load_rows(Q, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
-    do = load_rows(dOut, batch, head, m_tile, 0, TILE_M, 1, TILE_D)
+    q = _load_parts(Q, batch, head, m_tile, TILE_M, C)
+    do = _load_parts(dOut, batch, head, m_tile, TILE_M, C)
     lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,
                            ct.PaddingMode.POS_INF).reshape((TILE_M, 1))
     delta = _load_row_values(Delta, batch, head, m_tile, TILE_M,
@@ -230,17 +220,13 @@ def attention_backward_q(
     where = (batch, head, kv_head, mask_b, mask_h, mask_m)
     arrays = (K, V, Mask, TileState, Captures)
     scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
-    dq = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
-    if TABLE:
-        for j in range(first, gap_lo):
-            dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
-    for j in range(gap_hi, full_lo):
+    dq = _zero_parts(TILE_M, C)
+    for t in range(edge_count(first, gap_lo, gap_hi, full_lo, full_hi, end)):
+        j = edge_tile(t, first, gap_lo, gap_hi, full_lo, full_hi)
         dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
     for j in range(full_lo, full_hi):
         dq = _query_tile_step(j, dq, rows, where, arrays, scalars, False, C)
-    for j in range(full_hi, end):
-        dq = _query_tile_step(j, dq, rows, where, arrays, scalars, True, C)
-    store_rows(dQ, batch, head, m_tile, 0, dq * grad_scale, TILE_M, 1, TILE_D)
+    _store_parts(dQ, batch, head, m_tile, dq, grad_scale, TILE_M, C)
 
 
 attention_backward_q_kernel = ct.kernel(attention_backward_q)
@@ -253,15 +239,14 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
     K, V, Mask, TileState, Captures = arrays
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
-    TILE_D = C[P.TILE_D]
     tile_state = TILE_FULL
     if EDGE and C[P.MASK_KIND] != NO_MASK:
         tile_state = _edge_state(TileState, (mask_b, mask_h, mask_m, j), C)
     if tile_state != TILE_EMPTY:
-        k = load_rows(K, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
-        v = load_rows(V, batch, kv_head, j, 0, TILE_N, 1, TILE_D)
-        qk = mma(q, _transposed(K, k, batch, kv_head, j, TILE_N, TILE_D, C),
-                 ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        k = _load_parts(K, batch, kv_head, j, TILE_N, C)
+        v = _load_parts(V, batch, kv_head, j, TILE_N, C)
+        qk = _contract(q, _transposed_parts(K, k, batch, kv_head, j, TILE_N, C),
+                       ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32), C)
         s, tanh = _scores(qk, scalars, C)
         unmodified = s
         kv_idx = j * TILE_N + col_in_tile
@@ -270,12 +255,12 @@ def _query_tile_step(j, dq, rows, where, arrays, scalars, EDGE, C):
         s = _hidden(s, q_idx, kv_idx, EDGE, tile_state,
                     (batch, head, mask_b, mask_h, mask_m, j), Mask, Captures, scalars, False, C)
         p = _probabilities(s, lse, C)
-        dp = mma(do, _transposed(V, v, batch, kv_head, j, TILE_N, TILE_D, C),
-                 ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        dp = _contract(do, _transposed_parts(V, v, batch, kv_head, j, TILE_N, C),
+                       ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32), C)
         ds = _through_softcap(p * (dp - delta), tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)
-        dq = mma(ds.astype(K.dtype), k, dq)
+        dq = _accumulate(ds.astype(K.dtype), k, dq, C)
     return dq
 
 
@@ -309,13 +294,80 @@ def attention_backward_rows(
 attention_backward_rows_kernel = ct.kernel(attention_backward_rows)
 
 
-def _transposed(Array, tile, batch, head, index, ROWS, TILE_D, C):
-    """``tile`` (rows ``index`` of ``Array``) as the (TILE_D, ROWS) operand of an MMA: loaded
-    again in transposed order (C[LOAD_TRANSPOSED]) or transposed in registers."""
+# The head dim as the kernels hold it: a tuple of its parts, (TILE_D columns,) or, with
+# TAIL_D > 0 (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32), (TILE_D columns, the TAIL_D after
+# them), so that no MMA works on zero padding. Each helper below does one thing per part.
+
+def _load_parts(Array, batch, head, index, ROWS, C):
+    """Rows ``index`` (tiles of ROWS) of a (B, H, S, D) array, as the head dim's parts."""
+    main = load_rows(Array, batch, head, index, 0, ROWS, 1, C[P.TILE_D])
+    if C[P.TAIL_D] != 0:
+        return main, load_rows(Array, batch, head, index, C[P.TILE_D] // C[P.TAIL_D], ROWS, 1,
+                               C[P.TAIL_D])
+    return (main,)
+
+
+def _zero_parts(ROWS, C):
+    """fp32 zero accumulators of ROWS rows, one per part."""
+    main = ct.full((ROWS, C[P.TILE_D]), 0.0, dtype=ct.float32)
+    if C[P.TAIL_D] != 0:
+        return main, ct.full((ROWS, C[P.TAIL_D]), 0.0, dtype=ct.float32)
+    return (main,)
+
+
+def _store_parts(Array, batch, head, index, parts, scale, ROWS, C):
+    """Stores fp32 parts times ``scale`` where :func:`_load_parts` reads them."""
+    store_rows(Array, batch, head, index, 0, parts[0] * scale, ROWS, 1, C[P.TILE_D])
+    if C[P.TAIL_D] != 0:
+        store_rows(Array, batch, head, index, C[P.TILE_D] // C[P.TAIL_D], parts[1] * scale, ROWS,
+                   1, C[P.TAIL_D])
+
+
+def _add_parts(Array, batch, head, index, parts, scale, ROWS, C):
+    """Adds fp32 parts times ``scale`` into a (B, H, S, D) fp32 array by TMA reduce-adds."""
+    TILE_D = C[P.TILE_D]
+    Array.tiled_view((1, 1, ROWS, TILE_D)).atomic_store_add(
+        (batch, head, index, 0), (parts[0] * scale).reshape((1, 1, ROWS, TILE_D)))
+    if C[P.TAIL_D] != 0:
+        TAIL_D = C[P.TAIL_D]
+        Array.tiled_view((1, 1, ROWS, TAIL_D)).atomic_store_add(
+            (batch, head, index, TILE_D // TAIL_D),
+            (parts[1] * scale).reshape((1, 1, ROWS, TAIL_D)))
+
+
+def _contract(a, b, acc, C):
+    """``acc + a @ b`` over the head dim: ``a`` (rows x D) and ``b`` (D x cols) in parts."""
+    acc = mma(a[0], b[0], acc)
+    if C[P.TAIL_D] != 0:
+        acc = mma(a[1], b[1], acc)
+    return acc
+
+
+def _accumulate(a, b, acc, C):
+    """``acc + a @ b`` part by part: ``b`` (rows x D) and ``acc`` in parts, D the columns."""
+    main = mma(a, b[0], acc[0])
+    if C[P.TAIL_D] != 0:
+        return main, mma(a, b[1], acc[1])
+    return (main,)
+
+
+def _transposed_parts(Array, parts, batch, head, index, ROWS, C):
+    """The parts of rows ``index`` of ``Array`` as (part width, ROWS) operands."""
+    main = _transposed(Array, parts[0], batch, head, index, ROWS, C[P.TILE_D], 0, C)
+    if C[P.TAIL_D] != 0:
+        return main, _transposed(Array, parts[1], batch, head, index, ROWS, C[P.TAIL_D],
+                                 C[P.TILE_D] // C[P.TAIL_D], C)
+    return (main,)
+
+
+def _transposed(Array, tile, batch, head, index, ROWS, WIDTH, column, C):
+    """``tile`` (rows ``index``, column tile ``column`` of WIDTH, of ``Array``) as the (WIDTH,
+    ROWS) operand of an MMA: loaded again in transposed order (C[LOAD_TRANSPOSED]) or
+    transposed in registers."""
     if C[P.LOAD_TRANSPOSED]:
-        return ct.load(Array, index=(batch, head, 0, index), shape=(1, 1, TILE_D, ROWS),
+        return ct.load(Array, index=(batch, head, column, index), shape=(1, 1, WIDTH, ROWS),
                        order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO
-                       ).reshape((TILE_D, ROWS))
+                       ).reshape((WIDTH, ROWS))
     return ct.transpose(tile)
 
 

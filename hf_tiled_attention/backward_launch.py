@@ -26,7 +26,7 @@ from .masks import CompactMask, ModMask
 from .memo import memoize
 from .mods import CompiledMods
 from .reference import empty_output
-from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
+from .schedule import BackwardSchedule, backward_schedule, head_dim_parts, head_dim_tile
 
 @dataclass(frozen=True)
 class BackwardPlan:
@@ -85,10 +85,12 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
     if mask_grad:
         mask_grad_mode = MASK_GRAD_ROWS if per_row else MASK_GRAD_ROW_SUMS
 
+    tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
+
     def constants(tile_m: int, tile_n: int, in_kv_kernel: bool) -> AttentionConstants:
         return AttentionConstants(
-            GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=head_dim_tile(head_dim),
-            TAIL_D=0, CAUSAL=bool(causal), WINDOWED=bool(windowed),
+            GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=tile_d,
+            TAIL_D=tail_d, CAUSAL=bool(causal), WINDOWED=bool(windowed),
             SOFTCAP=softcap is not None,
             APPROX_TANH=softcap is not None and dtype != torch.float32,
             SCORE_MOD=has_score_mod,

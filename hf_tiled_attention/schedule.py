@@ -339,6 +339,9 @@ class BackwardSchedule:
             table's walk lengths, longest first (kernel_params.RANGE_ORDER), instead of grid
             order: a mask's long walks (a long document's first key tiles) then do not start
             last and run alone at the end of the launch.
+        split_head_dim: a head dim that is a power of two plus a smaller one (80, 96, 144,
+            160, 192) runs as those two tiles in both kernels (head_dim_parts, as the forward's
+            Schedule.split_head_dim), instead of zero-padded to the next power of two.
         edge_states: with a mask that has a row per query (a mask_mod, a per-row bool or
             additive mask), each step outside a tile's run of full tiles reads the tile's state
             from the block table and skips an empty tile (True), or applies the mask to every
@@ -364,6 +367,7 @@ class BackwardSchedule:
     dq_add: bool = False
     table_order: bool = False
     edge_states: bool = True
+    split_head_dim: bool = True
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4

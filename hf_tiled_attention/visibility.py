@@ -122,3 +122,20 @@ def clip_tiles(first, end, full_lo, full_hi, table, TABLE, split, splits):
     gap_lo = min(max(gap_lo, first), full_lo)
     gap_hi = min(max(gap_hi, gap_lo), full_lo)
     return first, gap_lo, gap_hi, full_lo, full_hi, end
+
+
+def edge_count(first, gap_lo, gap_hi, full_lo, full_hi, end):
+    """How many tiles of :func:`clip_tiles`' walk lie outside its gap and its full run: the
+    ``[first, gap_lo)``, ``[gap_hi, full_lo)`` and ``[full_hi, end)`` a kernel walks with the
+    per-element rules (one loop over them: :func:`edge_tile`)."""
+    return (gap_lo - first) + (full_lo - gap_hi) + (end - full_hi)
+
+
+def edge_tile(t, first, gap_lo, gap_hi, full_lo, full_hi):
+    """The ``t``-th of those tiles (``0 <= t <`` :func:`edge_count`), in increasing order: one
+    loop instead of three keeps one copy of the step's code in the kernel (three copies made
+    the compiler spill). Branch-free: ``min(max(x, 0), 1)`` is 1 once ``t`` is past a range."""
+    before_gap = gap_lo - first
+    before_full = before_gap + full_lo - gap_hi
+    return (first + t + (gap_hi - gap_lo) * min(max(t - before_gap + 1, 0), 1)
+            + (full_hi - full_lo) * min(max(t - before_full + 1, 0), 1))

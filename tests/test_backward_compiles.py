@@ -1,5 +1,6 @@
 """CPU: the backward kernels (rows, dK/dV, dQ) compile to cubin (cuTile's exporter, no GPU), for the variants the
 op can launch: every head-dim tile with causal + window + softcap + a per-row mask on sm_90,
+head dims of two tiles,
 each mask kind, fp16 and fp32, a mask_mod's kernel copies, score_mods (additive, and with their
 derivative: mod_derivative), and the other archs once."""
 
@@ -62,6 +63,13 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
          for d in (16, 32, 64, 128, 256)] + [
     pytest.param("sm_90", torch.float16, 80, dict(causal=False, window=None, softcap=None,
                                                  mask=None), id="sm_90-fp16-d80-plain"),
+    # head dims of two tiles (96 = 64 + 32, 160 = 128 + 32), with every option, and dq_add's
+    # reduce-adds of both parts
+    pytest.param("sm_90", torch.bfloat16, 96, {}, id="sm_90-bf16-d96-all"),
+    pytest.param("sm_90", torch.bfloat16, 160, dict(mask="documents", window=None),
+                 id="sm_90-bf16-d160-mask_mod"),
+    pytest.param("sm_90", torch.bfloat16, 96, dict(window=None, softcap=None, mask=None,
+                                                   dq_add=True), id="sm_90-d96-dq_add"),
     pytest.param("sm_90", torch.float32, 64, dict(window=None, softcap=None, mask=None),
                  id="sm_90-fp32-d64-causal"),
     pytest.param("sm_90", torch.bfloat16, 128, dict(causal=False, window=None, softcap=None,

@@ -49,9 +49,22 @@ def test_fp32_gradients_tf32x3(head_dim):
                 torch.float32)
 
 
-@pytest.mark.parametrize("head_dim", [16, 24, 40, 96, 112, 160, 200, 256])
+@pytest.mark.parametrize("head_dim", [16, 24, 40, 96, 112, 160, 192, 200, 256])
 def test_every_head_dim_tile(head_dim):
+    """(96, 160, 192: two tiles in the backward, BackwardSchedule.split_head_dim)"""
     check_grads(Case(head_dim=head_dim, causal=True, seq_q=130, seq_kv=130), torch.bfloat16)
+
+
+def test_head_dim_padded_instead_of_split():
+    """BackwardSchedule.split_head_dim=False: 96 zero-padded to 128 in the backward."""
+    from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
+
+    set_backward_schedule(replace(backward_schedule(96), split_head_dim=False))
+    try:
+        check_grads(Case(head_dim=96, causal=True, seq_q=130, seq_kv=130, heads_q=8, heads_kv=2),
+                    torch.bfloat16)
+    finally:
+        set_backward_schedule(None)
 
 
 @pytest.mark.parametrize("case", [
@@ -215,6 +228,7 @@ def test_compiled_training_step_on_the_gpu():
     Case(heads_q=8, heads_kv=2, causal=True, seq_q=300, seq_kv=300, head_dim=64),
     Case(heads_q=8, heads_kv=2, seq_q=200, seq_kv=260, head_dim=128, window=90, softcap=5.0),
     Case(heads_q=4, heads_kv=4, seq_q=130, seq_kv=130, head_dim=64, mask="additive_heads"),
+    Case(heads_q=8, heads_kv=2, causal=True, seq_q=200, seq_kv=200, head_dim=96),  # two parts
 ], ids=lambda c: c.name)
 def test_dq_added_in_the_kv_kernel(case):
     """BackwardSchedule.dq_add (off in the table: slower, perf-notes step 30): dQ made in the

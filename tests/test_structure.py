@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_tiled_attention.visibility import clip_tiles, key_span, key_tiles, query_span, visible
+from hf_tiled_attention.visibility import (clip_tiles, edge_count, edge_tile, key_span, key_tiles,
+                                           query_span, visible)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_tiled_attention"
 MAX_PARAMS = 20
@@ -100,3 +101,16 @@ def test_key_tiles_cover_exactly_what_rows_see(tile, splits):
                     assert j in walked, (row_lo, j)
                 if j in full:
                     assert cols.all() and cols.shape[1] == tile, (row_lo, j)
+
+
+def test_edge_tiles_are_the_walk_outside_its_gap_and_full_run():
+    """The backward's one loop over edge tiles (edge_count / edge_tile) visits what three
+    loops over [first, gap_lo), [gap_hi, full_lo) and [full_hi, end) visit, in that order."""
+    import itertools
+    for bounds in itertools.combinations_with_replacement(range(7), 6):
+        first, gap_lo, gap_hi, full_lo, full_hi, end = bounds
+        want = (list(range(first, gap_lo)) + list(range(gap_hi, full_lo))
+                + list(range(full_hi, end)))
+        got = [edge_tile(t, first, gap_lo, gap_hi, full_lo, full_hi)
+               for t in range(edge_count(*bounds))]
+        assert got == want, bounds
