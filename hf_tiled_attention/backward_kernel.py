@@ -32,8 +32,9 @@ is held as two tiles, :func:`_load_parts`) and hide scores with the forward's ru
 visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per mod by the
 launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
 (ALiBi, bias tables: derivative 1) or when mod_derivative derived its derivative in the
-score (``_score_mod_grad``, which multiplies dS), and reads no tensor that needs a gradient;
-any other score_mod's backward runs the reference path (op.backward).
+score (``_score_mod_grad``, which multiplies dS). When the tensors it reads need gradients,
+the dK/dV kernel adds them (``_score_mod_capture_grad``, by atomics: not in deterministic
+mode); any other score_mod's backward runs the reference path (op.backward).
 """
 
 import math
@@ -58,6 +59,13 @@ def _score_mod_grad(score, b, h, q_idx, kv_idx, captures):
     return score * 0.0 + 1.0
 
 
+def _score_mod_capture_grad(p, ds, score, b, h, q_idx, kv_idx, captures, grads, LEARNABLE):
+    """Stand-in for the score_mod's capture-gradient adds (mod_translator
+    .capture_grad_entries; replaced per mod by the launcher): adds ``ds`` times the mod's
+    derivative in each learnable captured tensor into ``grads``."""
+    return ds
+
+
 def _mask_mod(b, h, q_idx, kv_idx, captures):
     """Stand-in for a user's mask_mod (replaced per mod by the launcher)."""
     return q_idx >= 0
@@ -67,6 +75,7 @@ def _mask_mod(b, h, q_idx, kv_idx, captures):
 # constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (attention_backward_rows).
 def attention_backward_kv(
     Q, K, V, dOut, LseB, Delta, dK, dV, dQAdd, DMask, Mask, TileState, TileRange, Captures,
+    CaptureGrads,
     score_scale: float,   # multiplies q.k as in the forward (scale * SCORE_UNIT, or scale/softcap)
     softcap_out: float,   # softcap * SCORE_UNIT when SOFTCAP
     grad_scale: float,    # d(score)/d(q.k) outside softcap's tanh: the scale
@@ -119,7 +128,8 @@ def attention_backward_kv(
                 gap_hi = i_end
         rows = (k, v, kv_idx, row_in_tile)
         where = (batch, head, mask_b, mask_h, n_tile, key_state)
-        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale)
+        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, CaptureGrads, dQAdd, DMask,
+                  grad_scale)
         scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
         for t in range(edge_count(i_first, gap_lo, gap_hi, i_full_lo, i_full_hi, i_end)):
             i = edge_tile(t, i_first, gap_lo, gap_hi, i_full_lo, i_full_hi)
@@ -140,7 +150,8 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     dk, dv = grads
     k, v, kv_idx, row_in_tile = rows
     batch, head, mask_b, mask_h, n_tile, key_state = where
-    Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale = arrays
+    (Q, dOut, LseB, Delta, Mask, TileState, Captures, CaptureGrads, dQAdd, DMask,
+     grad_scale) = arrays
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
     tile_state = TILE_FULL
@@ -170,6 +181,9 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         ds = p * (dp - delta.reshape((1, TILE_M)))
         if C[P.MASK_GRAD] != NO_MASK_GRAD:
             _add_mask_grad(DMask, ds, batch, head, i, n_tile, C)
+        if C[P.CAPTURE_GRADS] != 0:  # (dS of the mod's output, at the mod's input score)
+            _score_mod_capture_grad(p, ds, unmodified, batch, head, q_idx, kv_idx, Captures,
+                                    CaptureGrads, C[P.CAPTURE_GRADS])
         ds = _through_softcap(ds, tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)

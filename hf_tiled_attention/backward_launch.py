@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -71,10 +71,11 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
                   causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                   mods: Optional[CompiledMods] = None,
                   schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
-                  deterministic: bool = True) -> BackwardPlan:
+                  deterministic: bool = True, capture_grads: int = 0) -> BackwardPlan:
     """The plan of every call with these properties (the forward's scalars and constants).
     ``mask_grad``: the dK/dV kernel also writes the additive mask's gradient; ``deterministic``:
-    dQ by its own kernel (bitwise reproducible), else as the schedule says."""
+    dQ by its own kernel (bitwise reproducible), else as the schedule says; ``capture_grads``:
+    a bit per captured tensor of the score_mod whose gradient the dK/dV kernel adds."""
     schedule = schedule or backward_schedule(head_dim)
     kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
     has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
@@ -100,7 +101,7 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,
             LOAD_TRANSPOSED=schedule.load_transposed,
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
-            DQ_ADD=dq_add and in_kv_kernel,
+            DQ_ADD=dq_add and in_kv_kernel, CAPTURE_GRADS=capture_grads if in_kv_kernel else 0,
             TABLE_ORDER=schedule.table_order and kind != NO_MASK and per_row,
             EDGE_STATES=schedule.edge_states)
 
@@ -136,10 +137,12 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                     mask: Optional[CompactMask | ModMask], diag_offset: int, window: int,
                     keep: bool = False):
     """``(rows kernel arguments, kv arrays + scalars, q arrays + scalars, grids (rows, kv, q),
-    (dq, dk, dv, d_mask))`` of one backward (``out`` and ``grad_out`` with unit stride along
-    D, any other strides). With ``plan.kv.DQ_ADD`` ``dq`` is the fp32 array the dK/dV kernel
-    adds into; with ``plan.kv.MASK_GRAD`` ``d_mask`` is the fp32 array it adds the mask's
-    gradient into (see :func:`mask_grad_buffer`), else None.
+    (dq, dk, dv, d_mask, d_captures))`` of one backward (``out`` and ``grad_out`` with unit
+    stride along D, any other strides). With ``plan.kv.DQ_ADD`` ``dq`` is the fp32 array the
+    dK/dV kernel adds into; with ``plan.kv.MASK_GRAD`` ``d_mask`` is the fp32 array it adds the
+    mask's gradient into (see :func:`mask_grad_buffer`), else None; ``d_captures`` has per
+    captured tensor of the score_mod the zeroed fp32 array the kernel adds its gradient into
+    (its bit in ``plan.kv.CAPTURE_GRADS``), else a placeholder it never reads.
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
@@ -172,17 +175,20 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                                                      transposed=True))
         q_mask = (tensor,) + tuple(mask.block_table(sched.q_rows, sched.q_keys, keep))
     captures = () if plan.mods is None else plan.mods.kernel_captures()
+    d_captures = tuple(torch.zeros(t.shape, dtype=torch.float32, device=device)
+                       if plan.kv.CAPTURE_GRADS >> slot & 1 else unused_4d
+                       for slot, t in enumerate(captures))
     scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
                int(window))
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = ((query, key, value, grad_out, lse_b, delta, dk, dv,
                 dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
-               + kv_mask + (captures,) + scalars)
+               + kv_mask + (captures, d_captures) + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
     grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
-    return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask)
+    return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask, d_captures)
 
 
 def mask_grad_buffer(mask_shape: tuple, query_shape: tuple, tile_m: int, deterministic: bool,
@@ -213,16 +219,19 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
                  diag_offset: int, mods: Optional[CompiledMods] = None,
                  schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
-                 keep: bool = False) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv)``, and with ``mask_grad`` the additive mask's gradient, from the backward
-    kernels, launched on the current stream (``keep``: see :func:`backward_arrays`). Q, K and
-    V are the forward's, which op.attention gave unit stride along D."""
+                 learnable: Sequence[bool] = (), keep: bool = False) -> list[torch.Tensor]:
+    """``[dq, dk, dv]``, then with ``mask_grad`` the additive mask's gradient, then the
+    gradient of each captured tensor of ``mods`` flagged in ``learnable`` (in its dtype; the
+    slots must be in ``mods.capture_grad_slots``), from the backward kernels, launched on the
+    current stream (``keep``: see :func:`backward_arrays`). Q, K and V are the forward's, which
+    op.attention gave unit stride along D."""
     import cuda.tile as ct
 
+    capture_grads = sum(1 << slot for slot, flag in enumerate(learnable) if flag)
     plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
                          mask_layout(mask), bool(causal), float(scale), window is not None,
                          softcap, mods, schedule or backward_schedule(query.shape[-1]),
-                         mask_grad, deterministic())
+                         mask_grad, deterministic(), capture_grads)
     rows_args, kv_args, q_args, grids, grads = backward_arrays(
         plan, grad_out, query, key, value, out, lse, grad_lse, mask, diag_offset,
         window or 0, keep)
@@ -234,12 +243,12 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
         if not plan.kv.DQ_ADD:
             ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
-    dq, dk, dv, d_mask = grads
+    dq, dk, dv, d_mask, d_captures = grads
     if plan.kv.DQ_ADD:
         dq = dq.to(query.dtype)
-    if d_mask is None:
-        return dq, dk, dv
-    return dq, dk, dv, summed_mask_grad(d_mask, mask.tensor)
+    return ([dq, dk, dv] + ([] if d_mask is None else [summed_mask_grad(d_mask, mask.tensor)])
+            + [grad.to(t.dtype) for grad, t, flag in zip(d_captures, mods.captures, learnable)
+               if flag])
 
 
 def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,
@@ -268,11 +277,11 @@ def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.T
     cubins = [buffer.getvalue()]
     for args, kernel, constants in zip((kv_args, q_args), plan.kernels[1:],
                                        plan.constant_values):
-        arrays, captures = args[:-6], args[-6]
-        signature = KernelSignature([array_constraint(a) for a in arrays]
-                                    + [TupleConstraint([array_constraint(a) for a in captures])]
-                                    + scalars + [constants],
-                                    CallingConvention.cutile_python_v2())
+        # arrays, then tuples of arrays (the captures; the dK/dV kernel's capture gradients)
+        signature = KernelSignature(
+            [TupleConstraint([array_constraint(t) for t in a]) if isinstance(a, tuple)
+             else array_constraint(a) for a in args[:-5]] + scalars + [constants],
+            CallingConvention.cutile_python_v2())
         buffer = io.BytesIO()
         export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
         cubins.append(buffer.getvalue())

@@ -258,7 +258,8 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
-        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, TABLE_ORDER=False, EDGE_STATES=True)
+        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, TABLE_ORDER=False,
+        EDGE_STATES=True)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,
@@ -305,7 +306,7 @@ def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[
 
 
 # The kernel's stand-ins for the mods (kernel.py), which a copy of the kernel replaces.
-_MOD_NAMES = ("_score_mod", "_mask_mod", "_score_mod_grad")
+_MOD_NAMES = ("_score_mod", "_mask_mod", "_score_mod_grad", "_score_mod_capture_grad")
 
 
 @memoize(256)

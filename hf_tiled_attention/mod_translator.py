@@ -111,6 +111,112 @@ def derivative_entries(translator: "Translator", name: str) -> list[str]:
                     f"score_mod_grad_torch = {name}_torch_grad"]
 
 
+CAPTURE_GRADS = "_grads"  # capture_grad_entries' functions: the captures' gradient arrays
+_SITE = "_site"
+
+
+def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
+    """The generated module's ``score_mod_capture_grad`` / ``..._torch`` and
+    ``CAPTURE_GRAD_SLOTS``: for a score_mod that reads floating-point captured tensors, the
+    function that adds each one's gradient, ``dS * d mod / d t[index]`` where the weight ``p``
+    is not 0, into a gradient array per slot (``LEARNABLE``: a bit mask of the slots to add).
+    Every read of ``t[index]`` (a gather) is one term, differentiated by mod_derivative with the
+    read as the variable. cuTile's adds by atomics into fp32 arrays, in the dK/dV kernel's
+    orientation (keys x queries: a term whose index reads no query, or no key, is summed over
+    that axis first; one that reads neither, over the whole tile); the torch twin by
+    ``index_put_(accumulate=True)``. Nothing when the mod's body is not plain assignments, it
+    reads no float tensor or a rule is missing (its backward then runs the reference path)."""
+    floats = {slot for slot, t in enumerate(translator.captures) if t.is_floating_point()}
+    texts = []
+    for definition in (translator.ct_defs[name], translator.twins[name][0]):
+        torch_twin = definition.name.endswith("_torch")
+        returned = returned_expression(definition)
+        if returned is None:
+            return []
+        params = [a.arg for a in definition.args.args if a.arg != CAPTURES]
+        body, slots = [], []
+        for slot, site in _capture_reads(returned, floats, torch_twin):
+            text = ast.unparse(site)
+            variable = _ReplaceSite(text).visit(copy.deepcopy(returned))
+            try:
+                derived = score_derivative(variable, _SITE, "torch" if torch_twin else "ct")
+            except NotDifferentiable:
+                return []
+            if isinstance(derived, ast.Constant) and derived.value == 0.0:
+                continue
+            derived = _NameSubstitute({_SITE: site}).visit(derived)
+            index = _read_index(site, torch_twin)
+            reads = [any(isinstance(n, ast.Name) and n.id == params[axis] for item in index
+                         for n in ast.walk(item)) for axis in (3, 4)]  # (query, key)
+            body.append(_add_term(slot, derived, index, reads, torch_twin))
+            slots.append(slot)
+        if not body:
+            return []
+        grad = ast.parse(f"def {definition.name}_capture_grad(p, ds, {', '.join(params)}, "
+                         f"{CAPTURES}, {CAPTURE_GRADS}, LEARNABLE):\n    pass").body[0]
+        grad.body = [stmt for term in body for stmt in ast.parse(term).body] + [
+            ast.Return(ast.Name("ds", ast.Load()))]
+        texts.append(ast.unparse(ast.fix_missing_locations(grad)) + "\n")
+    return texts + [f"score_mod_capture_grad = {name}_capture_grad",
+                    f"score_mod_capture_grad_torch = {name}_torch_capture_grad",
+                    f"CAPTURE_GRAD_SLOTS = {tuple(sorted(set(slots)))!r}"]
+
+
+def _capture_reads(expr: ast.expr, floats: set, torch_twin: bool) -> list[tuple]:
+    """(slot, read) of each distinct read of a floating-point captured tensor in ``expr``."""
+    found = {}
+    for node in ast.walk(expr):
+        array = None
+        if torch_twin and isinstance(node, ast.Subscript):
+            array = node.value
+        elif (not torch_twin and isinstance(node, ast.Call)
+              and ast.unparse(node.func) == "ct.gather"):
+            array = node.args[0]
+        if (isinstance(array, ast.Subscript) and isinstance(array.value, ast.Name)
+                and array.value.id == CAPTURES and isinstance(array.slice, ast.Constant)
+                and array.slice.value in floats):
+            found.setdefault(ast.unparse(node), (array.slice.value, node))
+    return list(found.values())
+
+
+def _read_index(site: ast.expr, torch_twin: bool) -> list:
+    index = site.slice if torch_twin else site.args[1]
+    return list(index.elts) if isinstance(index, ast.Tuple) else [index]
+
+
+def _add_term(slot: int, derived: ast.expr, index: list, reads: list, torch_twin: bool) -> str:
+    """Source of one term's add (see :func:`capture_grad_entries`)."""
+    where = "torch.where" if torch_twin else "ct.where"
+    items = ", ".join(ast.unparse(i) for i in index) + ("," if len(index) == 1 else "")
+    lines = [f"if LEARNABLE & {1 << slot}:",
+             f"    _g = {where}(p > 0.0, ds * ({ast.unparse(derived)}), 0.0)"]
+    if torch_twin:
+        lines.append(f"    _twin_index_add({CAPTURE_GRADS}[{slot}], ({items}), _g)")
+        return "\n".join(lines)
+    reads_query, reads_key = reads
+    if not reads_query and not reads_key:
+        lines.append("    _g = ct.sum(_g)")
+    elif not reads_key:  # keys are axis 0 of the dK/dV kernel's tiles
+        lines.append("    _g = ct.sum(_g, axis=0, keepdims=True)")
+    elif not reads_query:
+        lines.append("    _g = ct.sum(_g, axis=1, keepdims=True)")
+    lines.append(f"    ct.atomic_add({CAPTURE_GRADS}[{slot}], ({items}), _g, "
+                 "memory_order=ct.MemoryOrder.RELAXED)")
+    return "\n".join(lines)
+
+
+class _ReplaceSite(ast.NodeTransformer):
+    """Every node whose source is ``text`` becomes the name ``_site``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def generic_visit(self, node):
+        if isinstance(node, ast.expr) and ast.unparse(node) == self.text:
+            return ast.Name(_SITE, ast.Load())
+        return super().generic_visit(node)
+
+
 def and_terms(node: Optional[ast.expr]) -> list:
     """The operands of a tree of ``&`` (constants True left out)."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd):

@@ -22,6 +22,7 @@ import torch
 
 from . import autotune
 from .checks import check_inputs, check_options, check_sinks
+from .determinism import deterministic
 from .kernel_params import NO_MASK
 from .launch import LaunchPlan, plan_launch, run_kernel
 from .masks import CompactMask, mod_mask, reused_compact_mask
@@ -474,11 +475,12 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
              mods: Optional[CompiledMods] = None, learnable: Sequence[bool] = (),
              mask_grad: bool = False, keep: bool = False) -> list[torch.Tensor]:
     """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
-    reference backward elsewhere and for a score_mod the kernels cannot run (one whose
+    reference backward elsewhere and for a score_mod the kernels cannot run: one whose
     derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
-    grad: there the derivative is a vector-Jacobian product of its torch twin, which also
-    gives the gradients of the learnable tensors it reads: ``learnable[i]`` flags
-    ``mods.captures[i]``). Returns ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of
+    grad (``learnable[i]`` flags ``mods.captures[i]``) whose gradient the kernels cannot add
+    (mod_translator.capture_grad_entries), or any learnable tensor in deterministic mode (the
+    kernels add its gradient by atomics); there the derivative is a vector-Jacobian product
+    of the mod's torch twin, which also gives the learnable tensors' gradients. Returns ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of
     the additive mask's compact tensor (in its dtype), then the learnable captures'.
     ``keep``: the block tables made may be kept for later calls
     (memo.may_keep_device_memory)."""
@@ -487,34 +489,39 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                         query.device, keep=keep)
     has_score_mod = mods is not None and mods.score_mod is not None
     # The kernels run a score_mod whose derivative in the score is 1 or was derived
-    # (mod_derivative), and whose tensors need no gradient; any other goes to the reference
-    # path.
-    on_kernels = not has_score_mod or (mods.score_mod_differentiable and not any(learnable))
+    # (mod_derivative), and add the gradients of the tensors it reads that they can
+    # (capture_grad_slots; not in deterministic mode: atomics); any other goes to the
+    # reference path.
+    learned = [slot for slot, flag in enumerate(learnable) if flag]
+    kernels_can = not has_score_mod or (mods.score_mod_differentiable
+                                        and set(learned) <= set(mods.capture_grad_slots))
+    on_kernels = kernels_can and not (learned and deterministic())
     if on_kernels and query.numel() and kernel_available(query.device):
         from .backward_launch import run_backward
-        return list(run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
-                                 causal=causal, scale=scale, window=window, softcap=softcap,
-                                 diag_offset=diag_offset, mods=mods, mask_grad=mask_grad,
-                                 keep=keep))
+        return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
+                            causal=causal, scale=scale, window=window, softcap=softcap,
+                            diag_offset=diag_offset, mods=mods, mask_grad=mask_grad,
+                            learnable=learnable, keep=keep)
     if query.numel() and query.device.type == "cuda" and not on_kernels:
-        _warn_score_mod_backward_once(mods.names)
-    slots = [slot for slot, flag in enumerate(learnable) if flag]
+        _warn_score_mod_backward_once(mods.names, kernels_can)
     dq, dk, dv, d_mask, d_learnable = reference_attention_backward(
         grad_out, query, key, value, out, lse, grad_lse, mask, causal=causal, scale=scale,
-        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=slots,
+        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=learned,
         mask_grad=mask_grad)
     return ([dq, dk, dv] + ([d_mask.to(mask.tensor.dtype)] if mask_grad else [])
-            + [grad.to(mods.captures[slot].dtype) for grad, slot in zip(d_learnable, slots)])
+            + [grad.to(mods.captures[slot].dtype) for grad, slot in zip(d_learnable, learned)])
 
 
 @memoize(64)
-def _warn_score_mod_backward_once(names: str) -> None:
+def _warn_score_mod_backward_once(names: str, deterministic_mode: bool = False) -> None:
+    why = ("in deterministic mode the kernels do not add a learnable captured tensor's "
+           "gradient (they would add it by atomics, in any order)" if deterministic_mode else
+           "the kernels run a score_mod whose derivative in the score they can derive (one "
+           "expression of + - * /, where, tanh, exp, log, ... of the score, captured tensors "
+           "read by index)")
     warnings.warn(f"hf_tiled_attention: the backward of {names} runs the reference path on the "
-                  "GPU (torch autograd of the mod, chunk by chunk): correct but slower than the "
-                  "kernels, which run a score_mod whose derivative in the score they can derive "
-                  "(one expression of + - * /, where, tanh, exp, log, ... of the score) and "
-                  "that reads no tensor that requires grad.",
-                  RuntimeWarning, stacklevel=3)
+                  f"GPU (torch autograd of the mod, chunk by chunk): correct but slower than the "
+                  f"kernels; {why}.", RuntimeWarning, stacklevel=3)
 
 
 @memoize(64)

@@ -202,21 +202,24 @@ def _square(x):
     return x * x
 
 
-@pytest.mark.parametrize("mod, learnable, on_kernels", [
-    ("alibi", False, True), ("alibi", True, False), ("softcap", False, True),
-    ("helper", False, False)], ids=["alibi", "alibi-learnable", "softcap", "helper"])
-def test_score_mod_backward_route(monkeypatch, mod, learnable, on_kernels):
+@pytest.mark.parametrize("mod, learnable, deterministic, on_kernels", [
+    ("alibi", False, False, True), ("alibi", True, False, True), ("alibi", True, True, False),
+    ("softcap", False, False, True), ("helper", False, False, False)],
+    ids=["alibi", "alibi-learnable", "alibi-learnable-deterministic", "softcap", "helper"])
+def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on_kernels):
     """With a GPU: an additive score_mod (ALiBi) and one with a derived derivative (tanh
-    softcap) run their backward on the kernels; learnable slopes, or a mod that calls another
-    function on its score (no derivative rule), run the reference path (which gives the
-    slopes' gradient). Launches stubbed."""
+    softcap) run their backward on the kernels, learnable slopes too (the dK/dV kernel adds
+    their gradient), except in deterministic mode; a mod that calls another function on its
+    score (no derivative rule) runs the reference path. Launches stubbed."""
     from hf_tiled_attention import backward_launch, op
 
     calls = []
 
     def stub(grad_out, query, key, value, *args, **kwargs):
         calls.append(kwargs["mods"].names)
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        return [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)] + [
+            torch.zeros_like(t) for t, flag in zip(kwargs["mods"].captures, kwargs["learnable"])
+            if flag]
 
     monkeypatch.setattr(op, "kernel_available", lambda device: True)
     monkeypatch.setattr(backward_launch, "run_backward", stub)
@@ -227,6 +230,7 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, on_kernels):
     out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
                                       softcap=None, diag_offset=0)
     compiled = hta.mods.compile_mods(score_mod, None)
+    monkeypatch.setattr(op, "deterministic", lambda: deterministic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
         op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,

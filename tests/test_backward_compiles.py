@@ -40,8 +40,19 @@ def _hard_score_mod(score, b, h, q_idx, kv_idx):
     return y ** 2 * 0.1 - torch.minimum(torch.floor(score), torch.tanh(score))
 
 
+_SLOPES = torch.rand(HQ)
+_BIAS = torch.randn(HQ, 32)
+_BUCKETS = torch.randint(0, 32, (S, S), dtype=torch.int32)
+
+
+def _learnable_mod(score, b, h, q_idx, kv_idx):
+    """A per-head scale and slope and a T5-style bucket table: three kinds of reads."""
+    return score * _SLOPES[h] + _SLOPES[h] * (kv_idx - q_idx) + _BIAS[h, _BUCKETS[q_idx, kv_idx]]
+
+
 def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="bool_rows",
-            score_mod=None, mask_grad=False, dq_add=False, **schedule_changes):
+            score_mod=None, mask_grad=False, dq_add=False, learn_captures=False,
+            **schedule_changes):
     q = torch.empty(B, HQ, S, head_dim, dtype=dtype, device="meta")
     k = torch.empty(B, HKV, S, head_dim, dtype=dtype, device="meta")
     compact = _mask(mask, dtype)
@@ -51,8 +62,10 @@ def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="b
                             fast_math=dtype != torch.float32)
         compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
     schedule = replace(backward_schedule(head_dim), dq_add=dq_add, **schedule_changes)
+    capture_grads = sum(1 << s for s in mods.capture_grad_slots) if learn_captures else 0
     plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
-                         window is not None, softcap, mods, schedule, mask_grad, not dq_add)
+                         window is not None, softcap, mods, schedule, mask_grad, not dq_add,
+                         capture_grads)
     assert plan.kv.DQ_ADD is dq_add and (plan.kv.MASK_GRAD != 0) is mask_grad
     if score_mod is not None:  # a score_mod that is not additive brings its derivative
         assert plan.kv.SCORE_MOD_GRAD is plan.q.SCORE_MOD_GRAD is not mods.score_mod_additive
@@ -99,6 +112,11 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
                  id="sm_90-fp32-mask_grad_row_sums"),
     pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
                                                    dq_add=True), id="sm_90-dq_add"),
+    # learnable captures: the dK/dV kernel adds their gradients (per-head sums, a gathered
+    # table's per-element atomics)
+    pytest.param("sm_90", torch.bfloat16, 128, dict(
+        window=None, softcap=None, mask=None, score_mod=_learnable_mod, learn_captures=True),
+        id="sm_90-learnable_captures"),
 ] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
                   id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
 

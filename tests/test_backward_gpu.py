@@ -134,16 +134,39 @@ def test_derived_score_mods_train_on_the_kernels(dtype):
                     mask_mod=V.document_mask((torch.arange(300) // 77).cuda()))
 
 
-def test_learnable_score_mod_on_the_gpu():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_learnable_score_mod_on_the_kernels(dtype):
+    """A score_mod that reads tensors which require grad trains on the kernels: the dK/dV
+    kernel adds their gradients by atomics (a relative-position table per element, per-head
+    slopes summed per tile first). No reference-path warning."""
+    case = Case(seq_q=120, seq_kv=150, causal=True, heads_q=8, heads_kv=2)
+    table = torch.randn(300, device="cuda").requires_grad_()
+    slopes = (torch.rand(8, device="cuda") * 0.2).requires_grad_()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score * (1.0 + slopes[h]) + table[q_idx - kv_idx + 150]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_grads(case, dtype, score_mod=bias, learnable=(table, slopes))
+    assert not [w for w in caught if "reference path" in str(w.message)]
+
+
+def test_learnable_score_mod_in_deterministic_mode():
+    """Deterministic mode: the learnable tensors' gradients come from the reference path
+    (the kernels would add them in any order), with a warning that says so."""
     case = Case(seq_q=120, seq_kv=120, causal=True)
     table = torch.randn(240, device="cuda").requires_grad_()
 
-    def bias(score, b, h, q_idx, kv_idx):
+    def deterministic_bias(score, b, h, q_idx, kv_idx):  # (its own name: the warning is once)
         return score + table[q_idx - kv_idx + 120]
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*reference path on the GPU.*")
-        check_grads(case, torch.float32, score_mod=bias, learnable=(table,))
+    hta.set_deterministic(True)
+    try:
+        with pytest.warns(RuntimeWarning, match="deterministic mode"):
+            check_grads(case, torch.float32, score_mod=deterministic_bias, learnable=(table,))
+    finally:
+        hta.set_deterministic(None)
 
 
 @pytest.fixture

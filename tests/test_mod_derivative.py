@@ -95,3 +95,59 @@ def test_which_score_mods_run_on_the_backward_kernels(score_mod, differentiable,
     compiled = compile_mods(score_mod, None)
     assert compiled.score_mod_differentiable is differentiable
     assert (compiled.score_mod_grad is not None) is derived
+
+
+# Learnable captures: each read of a float tensor a term of its gradient (capture_grad_entries).
+slopes = torch.rand(H)
+bias_table = torch.randn(H, 9)
+buckets = torch.randint(0, 9, (SQ, SKV))
+head_scale = torch.rand(H) + 0.5
+
+
+def learnable_alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def learnable_t5_bias(score, b, h, q_idx, kv_idx):
+    return score + bias_table[h, buckets[q_idx, kv_idx]]
+
+
+def learnable_everything(score, b, h, q_idx, kv_idx):
+    x = (score * head_scale[h] + slopes[h] * (kv_idx - q_idx)
+         + bias_table[h, buckets[q_idx, kv_idx]])
+    return torch.tanh(x * bias_table[h, 2]) * 3.0 + positions[kv_idx] * slopes[h]
+
+
+@pytest.mark.parametrize("score_mod", [learnable_alibi, learnable_t5_bias, learnable_everything],
+                         ids=lambda f: f.__name__)
+def test_capture_gradients_match_autograd_of_the_mod(score_mod):
+    """What the dK/dV kernel adds into each learnable capture's gradient (the torch twin of
+    its atomics), summed over every score, equals autograd of sum(dS * mod) where p > 0."""
+    compiled = compile_mods(score_mod, None)
+    captures = compiled.captures
+    assert compiled.capture_grad_slots == tuple(
+        slot for slot, t in enumerate(captures) if t.is_floating_point())
+    score, b, h, q, kv = grid()
+    gen = torch.Generator().manual_seed(1)
+    ds = torch.randn(score.shape, generator=gen, dtype=torch.float64)
+    p = (torch.rand(score.shape, generator=gen) > 0.3).double()  # some weights 0 (hidden)
+    leaves = [t.detach().double().requires_grad_() if t.is_floating_point() else t
+              for t in captures]
+    module = compiled.module
+    modded = module.score_mod_torch(score, b, h, q, kv, tuple(leaves))
+    loss = torch.where(p > 0, ds * modded, 0.0).sum()
+    slots = compiled.capture_grad_slots
+    want = torch.autograd.grad(loss, [leaves[s] for s in slots])
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
+    bits = sum(1 << s for s in slots)
+    compiled.capture_grad_twin()(p, ds, score, b, h, q, kv, grads, bits)
+    for slot, expected in zip(slots, want):
+        torch.testing.assert_close(grads[slot], expected, rtol=1e-6, atol=1e-6)  # (fp32 reads)
+    only_first = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
+    compiled.capture_grad_twin()(p, ds, score, b, h, q, kv, only_first, 1 << slots[0])
+    assert all(not g.any() for s, g in enumerate(only_first) if s != slots[0])
+
+
+def test_no_capture_gradient_without_float_captures():
+    assert compile_mods(V.softcap(20.0), None).capture_grad_slots == ()
+    assert compile_mods(lambda s, b, h, q, kv: s + (kv - q) * 0.5, None).capture_grad_twin() is None
