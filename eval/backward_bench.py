@@ -10,8 +10,9 @@ Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 
 causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
 is timed on the mods), ``padded`` (B=4, S=4k, rows right-padded by 0 to 1/2: `tiled`
 gets a key mask, the SDPA backends the dense mask transformers gives them) and ``variants``
-(B=4 S=4k and B=1 S=16k, 32/8 heads, D=128, bf16: the mods of variants_bench.py;
-``variants-4k``: B=4 S=4k only).
+(B=4 S=4k and B=1 S=16k, 32/8 heads, D=128, bf16: the mods of variants_bench.py, and ALiBi
+and a T5 bias table whose slopes / table require grad, their gradient part of the timed
+backward; ``variants-4k``: B=4 S=4k only).
 
 Each pass is timed as in kernel_bench.py (`ms`: one call's median latency from an idle GPU;
 `gpu_ms`: calls queued back to back). The forward runs with grad enabled (it saves what the
@@ -72,8 +73,10 @@ def padded_points():
 
 # softcap: tiled runs its built-in softcap; softcap-mod: the same function as a score_mod,
 # whose backward multiplies dS by the mod's derived derivative (mod_derivative).
+# alibi-learnable / t5-bias-learnable: the slopes / the (buckets, heads) bias table require
+# grad, and every backend's backward computes their gradient too.
 VARIANTS = ["causal", "sliding-window", "documents", "alibi", "softcap", "softcap-mod",
-            "prefix-lm"]
+            "prefix-lm", "alibi-learnable", "t5-bias-learnable"]
 
 
 def variant_points(shapes=((4, 4096), (1, 16384))):
@@ -94,7 +97,7 @@ def pad_lengths(batch: int, seq: int) -> list[int]:
 def call_spec(variant: str, batch: int, heads: int, seq: int, causal, device) -> dict:
     """What every backend needs for one point: ``mods`` (tiled's keyword arguments, the
     variants' mods), ``mask_mod`` / ``score_mod`` (flex's), ``dense`` (SDPA's bool mask or
-    None) and ``is_causal``."""
+    None), ``is_causal`` and ``learnable`` (tensors the mods read that require grad)."""
     if variant == "none":
         return dict(mods=dict(is_causal=causal), mask_mod=V.causal_mask if causal else None,
                     score_mod=None, dense=None, is_causal=causal)
@@ -108,6 +111,18 @@ def call_spec(variant: str, batch: int, heads: int, seq: int, causal, device) ->
         return dict(mods=dict(is_causal=True, attn_mask=keys[:, None, None, :]),
                     mask_mod=padded_causal, score_mod=None,
                     dense=causal_dense[None, None] & keys[:, None, None, :], is_causal=False)
+    if variant.endswith("-learnable"):
+        if variant == "alibi-learnable":
+            learnable = V.alibi_slopes(heads).to(device).requires_grad_()
+            score_mod = V.alibi(learnable)
+        else:  # T5's table, (32 buckets, heads), read per score through the buckets
+            learnable = (torch.randn(32, heads, generator=torch.Generator().manual_seed(0))
+                         * 0.5).to(device).requires_grad_()
+            score_mod = V.relative_position_bias(
+                learnable, V.relative_position_buckets(seq, seq).to(device), seq)
+        mods = dict(score_mod=score_mod, mask_mod=V.causal_mask)
+        return dict(mods=mods, mask_mod=V.causal_mask, score_mod=score_mod, dense=None,
+                    is_causal=False, learnable=(learnable,))
     mods = variant_mods(variant.removesuffix("-mod"), batch, heads, seq, device)
     flex = dict(mods)
     if variant == "softcap":  # tiled runs its built-in softcap (the same function, no mod)
@@ -154,6 +169,7 @@ def sees_no_later_key(mods: dict, batch: int, heads: int, seq: int, device) -> b
     return not bool((mask_rows(mods, batch, heads, rows, seq, device) & later).any())
 
 
+@torch.no_grad()  # (a learnable tensor the mods read would make autograd track the sums)
 def reference_grads(spec: dict, q, k, v, d_out) -> tuple:
     """fp32 dQ, dK, dV of batch row 0 and kv head 0's query group, by the reference path."""
     group = q.shape[1] // k.shape[1]
@@ -214,7 +230,8 @@ def run_point(point, args, writer: ResultsWriter) -> None:
             # The gradient in the layout of this backend's output, as a model's next layer
             # hands it back (a contiguous one would add a copy to some backends, not others).
             grad = torch.empty_like(out).copy_(d_out)
-            grads = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+            inputs = (q, k, v) + spec.get("learnable", ())
+            grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
             err = grad_error(grads, want, heads_q // heads_kv)
         except Exception as exc:  # a backend that cannot run the point says why
             for row in rows.values():
@@ -232,7 +249,7 @@ def run_point(point, args, writer: ResultsWriter) -> None:
             continue
         timed(rows["fwd"], lambda: call(q, k, v), [()], flops, args.warmup, args.reps)
         timed(rows["bwd"], lambda graph=out, grad=grad: torch.autograd.grad(
-                  graph, (q, k, v), grad, retain_graph=True),
+                  graph, inputs, grad, retain_graph=True),
               [()], 2.5 * flops, args.warmup, args.reps)
         for p, row in rows.items():
             row["status"] = "ok"

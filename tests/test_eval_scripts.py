@@ -376,6 +376,17 @@ def test_backward_bench_cpu(tmp_path):
     assert (tmp_path / "backward.png").exists()
 
 
+def test_backward_bench_variants_cpu(tmp_path):
+    """Every variant's row on the reference path, the learnable ones with their tensors'
+    gradients in the backward (the op gives them; a wrong one would fail the run)."""
+    from eval import backward_bench
+    assert backward_bench.main(["--preset", "variants-4k", "--backends", "tiled", "--cpu-seq",
+                                "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["variant"] for r in rows} == set(backward_bench.VARIANTS)
+    assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+
+
 def test_backward_bench_says_which_variants_are_causal():
     """The variants hold their causal rule in their mods: the causal column reads it there
     (prefix-LM's prefix sees later keys)."""
