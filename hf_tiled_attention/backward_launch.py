@@ -246,9 +246,10 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     dq, dk, dv, d_mask, d_captures = grads
     if plan.kv.DQ_ADD:
         dq = dq.to(query.dtype)
+    learned = [grad.to(t.dtype) for grad, t, flag in
+               zip(d_captures, () if mods is None else mods.captures, learnable) if flag]
     return ([dq, dk, dv] + ([] if d_mask is None else [summed_mask_grad(d_mask, mask.tensor)])
-            + [grad.to(t.dtype) for grad, t, flag in zip(d_captures, mods.captures, learnable)
-               if flag])
+            + learned)
 
 
 def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.Tensor,

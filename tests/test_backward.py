@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
+from hf_tiled_attention import kernel_params as P
 from gradients import (EMPTY_ROW_CASES, MASK_GRAD_CASES, assert_grads_match,
                        empty_rows_have_zero_grads, op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
@@ -279,3 +280,36 @@ def test_mask_gradient_under_torch_compile():
     leaf.grad = None
     torch.compile(loss, fullgraph=True, backend="aot_eager")(leaf).backward()
     torch.testing.assert_close(leaf.grad, want)
+
+
+@pytest.mark.parametrize("with_mods, learn", [(False, False), (True, False), (True, True)],
+                         ids=["no-mods", "alibi", "alibi-learnable"])
+def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, learn):
+    """The launcher on the CPU with cuTile's launch stubbed: it returns [dq, dk, dv] and each
+    learnable capture's gradient (in the capture's dtype and shape), hands the dK/dV kernel
+    the zeroed fp32 arrays for them and its CAPTURE_GRADS bits, and launches three kernels."""
+    import cuda.tile as ct
+
+    from hf_tiled_attention import backward_launch
+
+    launches = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launches.append(args))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
+    slopes = torch.rand(4, dtype=torch.bfloat16)
+    mods = hta.mods.compile_mods(hta.variants.alibi(slopes), None) if with_mods else None
+    q, k = torch.randn(1, 4, 40, 32, dtype=torch.bfloat16), torch.randn(1, 2, 40, 32,
+                                                                         dtype=torch.bfloat16)
+    out = torch.randn(q.shape, dtype=torch.bfloat16)
+    lse = torch.randn(q.shape[:3])
+    grads = backward_launch.run_backward(out, q, k, k, out, lse, None, None, causal=True,
+                                         scale=0.2, window=None, softcap=None, diag_offset=0,
+                                         mods=mods, learnable=[learn] if with_mods else [])
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape] + ([slopes.shape] * learn)
+    assert learn is False or grads[3].dtype == torch.bfloat16
+    assert len(launches) == 3
+    kv_args = launches[1]
+    capture_grads, constants = kv_args[-7], kv_args[-1]
+    assert constants[P.CAPTURE_GRADS] == int(learn)
+    assert learn is False or (capture_grads[0].dtype == torch.float32
+                              and capture_grads[0].shape == slopes.shape)
