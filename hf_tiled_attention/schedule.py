@@ -413,7 +413,8 @@ _backward_override: Optional[BackwardSchedule] = None
 
 def set_backward_schedule(schedule: Optional[BackwardSchedule]) -> None:
     """Run every backward with ``schedule`` instead of ``BACKWARD_TABLE``'s row (None: the
-    table again); for measuring schedules (eval/backward_schedules.py)."""
+    table again); for measuring schedules (the dev scripts beside their results in
+    eval/results/nvidia-h200/backward/)."""
     global _backward_override
     if schedule is not None and not isinstance(schedule, BackwardSchedule):
         raise TypeError(f"set_backward_schedule expects a BackwardSchedule or None, got "
