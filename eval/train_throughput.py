@@ -17,7 +17,12 @@ Batchings: ``unpadded-8k`` / ``unpadded-16k`` (B=1), ``padded-4k`` (B=4, rows ri
 quarter to a half), ``packed-16k`` (one 16k-token row of documents of 256-4096 tokens, made by
 transformers' DataCollatorWithFlattening: position ids restart per document; no cache, so
 transformers masks the documents for sdpa, flex and eager, and tiled reads them from the
-position ids). An out-of-memory step is recorded as ``oom``. Results:
+position ids). An out-of-memory step is recorded as ``oom``.
+
+``--bias alibi``: a learnable-bias model, the same shape with trainable ALiBi slopes (fp32, one
+per query head and layer, in the optimizer) added to its causal scores, unpadded batchings
+only: tiled runs them as a score_mod (the backward kernels add the slopes' gradient), flex as
+the same score_mod, sdpa as a dense (1, H, S, S) additive mask that carries their gradient. Results:
 eval/results/<gpu>/train/train.csv and environment.json. Without a GPU: a tiny model at a
 64th of the lengths through the reference path (rows labelled by their real length,
 ``unpadded-128``).
@@ -26,6 +31,7 @@ eval/results/<gpu>/train/train.csv and environment.json. Without a GPU: a tiny m
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -40,6 +46,7 @@ from eval.common import ResultsWriter, results_dir  # noqa: E402
 from eval.models import build_config, model_device  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "flex_attention", "eager"]
+BIAS_BACKENDS = ["tiled", "sdpa", "flex_attention"]  # --bias alibi
 BATCHINGS = ["unpadded-8k", "unpadded-16k", "padded-4k", "packed-16k"]
 COLUMNS = ["model", "layers", "backend", "batching", "batch", "seq", "tokens_per_s", "ms",
            "peak_gib", "loss_first", "loss_last", "status", "reason"]
@@ -104,6 +111,64 @@ def step(model, optimizer, batch: dict, cuda: bool) -> tuple[float, float, float
     return (time.perf_counter() - t0) * 1e3, loss.item(), float("nan")
 
 
+def alibi_attention(backend: str):
+    """The attention function, for ``backend``, of a layer that adds its learnable ALiBi
+    slopes (``module.alibi_slopes``) to causal scores; registered as ``alibi-<backend>``."""
+    import torch.nn.functional as F
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  **kwargs):
+        slopes = module.alibi_slopes
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        seq = query.shape[2]
+        if backend == "tiled":
+            out = hf_tiled_attention.tiled_attention(query, key, value, is_causal=True,
+                                                     scale=scaling, score_mod=score_mod)
+        elif backend == "flex_attention":
+            out = _flex()(query, key, value, score_mod=score_mod, block_mask=_causal_blocks(
+                seq, query.device), scale=scaling, enable_gqa=True)
+        else:
+            distance = torch.arange(seq, device=query.device)
+            distance = (distance[None, :] - distance[:, None]).float()
+            bias = (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf"))
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias[None].to(
+                query.dtype), scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return attention
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _causal_blocks(seq: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, q, kv: kv <= q, None, None, seq, seq, device=device)
+
+
+def with_alibi(model, backends: list[str]) -> list[str]:
+    """Gives every attention layer of ``model`` learnable ALiBi slopes and registers
+    :func:`alibi_attention` for ``backends``; returns the names to switch between."""
+    from transformers import AttentionInterface
+
+    from hf_tiled_attention.variants import alibi_slopes
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        heads = model.config.num_attention_heads
+        attn.alibi_slopes = torch.nn.Parameter(alibi_slopes(heads).to(attn.q_proj.weight.device))
+    names = []
+    for backend in backends:
+        AttentionInterface.register(f"alibi-{backend}", alibi_attention(backend))
+        names.append(f"alibi-{backend}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=None, help="eval/models.py shape (default: "
@@ -112,11 +177,22 @@ def main(argv=None) -> int:
     parser.add_argument("--batchings", nargs="+", default=BATCHINGS, choices=BATCHINGS)
     parser.add_argument("--backends", nargs="+", default=None, choices=BACKENDS)
     parser.add_argument("--reps", type=int, default=3, help="timed steps per backend")
+    parser.add_argument("--bias", choices=["none", "alibi"], default="none",
+                        help="alibi: the learnable-bias model (see the module docstring)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     on_gpu, device, dtype = model_device("train_throughput")
     shape = args.shape or ("llama3-8b" if on_gpu else "tiny-llama")
     backends = args.backends or (BACKENDS if on_gpu else ["tiled", "sdpa", "eager"])
+    if args.bias == "alibi":
+        backends = args.backends or (BIAS_BACKENDS if on_gpu else ["tiled", "sdpa"])
+        if any(not b.startswith("unpadded") for b in args.batchings):
+            raise SystemExit("train_throughput: --bias alibi runs the unpadded batchings only "
+                             "(its attention functions apply the causal rule alone), got "
+                             f"{args.batchings}")
+        if any(b not in BIAS_BACKENDS for b in backends):
+            raise SystemExit(f"train_throughput: --bias alibi runs {BIAS_BACKENDS}, got "
+                             f"{backends}")
     scale = 1 if on_gpu else 64
     warnings.simplefilter("ignore")
     out_dir = args.out or results_dir() / "train"
@@ -129,6 +205,9 @@ def main(argv=None) -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation=backends[0])
     model.train()
+    if args.bias == "alibi":
+        backends = with_alibi(model, backends)
+        shape = f"{shape}+alibi"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for batching in args.batchings:
         batch = {k: v.to(device) for k, v in make_batch(batching, config.vocab_size, device,

@@ -423,6 +423,39 @@ def test_train_throughput_cpu(tmp_path):
     assert tiled.keys() == sdpa.keys() and all(abs(tiled[k] - sdpa[k]) < 1e-2 for k in tiled)
 
 
+def test_train_throughput_learnable_bias_cpu(tmp_path):
+    """--bias alibi: every layer's slopes train, and tiled and sdpa (a dense additive mask)
+    give the same loss and the same gradients, the slopes' included, from the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from eval import train_throughput
+    from eval.models import build_config
+    assert train_throughput.main(["--layers", "1", "--reps", "1", "--bias", "alibi",
+                                  "--batchings", "unpadded-8k", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "train.csv")
+    assert {r["backend"] for r in rows} == {"alibi-tiled", "alibi-sdpa"}
+    assert all(r["status"] == "ok" and r["model"] == "tiny-llama+alibi" for r in rows), rows
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config("tiny-llama", 2), dtype=torch.float32)
+    names = train_throughput.with_alibi(model, ["tiled", "sdpa"])
+    ids = torch.randint(3, model.config.vocab_size, (1, 96))
+    results = []
+    for name in names:
+        model.set_attn_implementation(name)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        slopes = model.model.layers[1].self_attn.alibi_slopes.grad
+        results.append((loss.item(), slopes.clone(), model.model.layers[0].self_attn.q_proj
+                        .weight.grad.clone()))
+    (loss_t, slopes_t, wq_t), (loss_s, slopes_s, wq_s) = results
+    assert abs(loss_t - loss_s) < 1e-5 and slopes_t.abs().max() > 0
+    torch.testing.assert_close(slopes_t, slopes_s, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(wq_t, wq_s, rtol=1e-4, atol=1e-6)
+    with pytest.raises(SystemExit, match="unpadded batchings only"):
+        train_throughput.main(["--bias", "alibi", "--batchings", "packed-16k"])
+
+
 def test_finetune_parity_cpu(tmp_path):
     from eval import finetune_parity
     text = tmp_path / "story.txt"
