@@ -59,10 +59,11 @@ def _score_mod_grad(score, b, h, q_idx, kv_idx, captures):
     return score * 0.0 + 1.0
 
 
-def _score_mod_capture_grad(p, ds, score, b, h, q_idx, kv_idx, captures, grads, LEARNABLE):
+def _score_mod_capture_grad(p, ds, score, b, h, q_idx, kv_idx, captures, LEARNABLE):
     """Stand-in for the score_mod's capture-gradient adds (mod_translator
     .capture_grad_entries; replaced per mod by the launcher): adds ``ds`` times the mod's
-    derivative in each learnable captured tensor into ``grads``."""
+    derivative in each learnable captured tensor into its gradient array, which ``captures``
+    holds after the tensors."""
     return ds
 
 
@@ -75,7 +76,6 @@ def _mask_mod(b, h, q_idx, kv_idx, captures):
 # constants in the one tuple C. LseB and Delta are (B, Hq, Sq) fp32 (attention_backward_rows).
 def attention_backward_kv(
     Q, K, V, dOut, LseB, Delta, dK, dV, dQAdd, DMask, Mask, TileState, TileRange, Captures,
-    CaptureGrads,
     score_scale: float,   # multiplies q.k as in the forward (scale * SCORE_UNIT, or scale/softcap)
     softcap_out: float,   # softcap * SCORE_UNIT when SOFTCAP
     grad_scale: float,    # d(score)/d(q.k) outside softcap's tanh: the scale
@@ -128,8 +128,7 @@ def attention_backward_kv(
                 gap_hi = i_end
         rows = (k, v, kv_idx, row_in_tile)
         where = (batch, head, mask_b, mask_h, n_tile, key_state)
-        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, CaptureGrads, dQAdd, DMask,
-                  grad_scale)
+        arrays = (Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale)
         scalars = (seq_kv, diag_offset, window, score_scale, softcap_out)
         for t in range(edge_count(i_first, gap_lo, gap_hi, i_full_lo, i_full_hi, i_end)):
             i = edge_tile(t, i_first, gap_lo, gap_hi, i_full_lo, i_full_hi)
@@ -150,8 +149,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     dk, dv = grads
     k, v, kv_idx, row_in_tile = rows
     batch, head, mask_b, mask_h, n_tile, key_state = where
-    (Q, dOut, LseB, Delta, Mask, TileState, Captures, CaptureGrads, dQAdd, DMask,
-     grad_scale) = arrays
+    Q, dOut, LseB, Delta, Mask, TileState, Captures, dQAdd, DMask, grad_scale = arrays
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
     tile_state = TILE_FULL
@@ -183,7 +181,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
             _add_mask_grad(DMask, ds, batch, head, i, n_tile, C)
         if C[P.CAPTURE_GRADS] != 0:  # (dS of the mod's output, at the mod's input score)
             _score_mod_capture_grad(p, ds, unmodified, batch, head, q_idx, kv_idx, Captures,
-                                    CaptureGrads, C[P.CAPTURE_GRADS])
+                                    C[P.CAPTURE_GRADS])
         ds = _through_softcap(ds, tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)

@@ -183,7 +183,8 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = ((query, key, value, grad_out, lse_b, delta, dk, dv,
                 dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
-               + kv_mask + (captures, d_captures) + scalars)
+               + kv_mask + ((captures + d_captures) if plan.kv.CAPTURE_GRADS else captures,)
+               + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
     grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
@@ -278,7 +279,7 @@ def export_backward_cubins(plan: BackwardPlan, query: torch.Tensor, key: torch.T
     cubins = [buffer.getvalue()]
     for args, kernel, constants in zip((kv_args, q_args), plan.kernels[1:],
                                        plan.constant_values):
-        # arrays, then tuples of arrays (the captures; the dK/dV kernel's capture gradients)
+        # arrays, then the tuple of captured arrays
         signature = KernelSignature(
             [TupleConstraint([array_constraint(t) for t in a]) if isinstance(a, tuple)
              else array_constraint(a) for a in args[:-5]] + scalars + [constants],

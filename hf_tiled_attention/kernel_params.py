@@ -84,7 +84,8 @@ class AttentionConstants(NamedTuple):
     DQ_ADD: bool        # backward's dK/dV kernel also makes dQ, added into an fp32 array by
                         # TMA reduce-add (no dQ kernel; not bitwise reproducible)
     CAPTURE_GRADS: int  # backward's dK/dV kernel: a bit per captured tensor of the score_mod
-                        # whose gradient it adds (mod_translator.capture_grad_entries); 0: none
+                        # whose gradient it adds into an array its capture tuple holds after
+                        # the tensors (mod_translator.capture_grad_entries); 0: none
     TABLE_ORDER: bool   # backward, a mask with a row per query: block i takes the table's row
                         # RANGE_ORDER of row i (longest walk first)
     EDGE_STATES: bool   # backward, a mask with a row per query: an edge step reads its tile's

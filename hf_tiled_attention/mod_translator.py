@@ -111,7 +111,6 @@ def derivative_entries(translator: "Translator", name: str) -> list[str]:
                     f"score_mod_grad_torch = {name}_torch_grad"]
 
 
-CAPTURE_GRADS = "_grads"  # capture_grad_entries' functions: the captures' gradient arrays
 _SITE = "_site"
 
 
@@ -119,7 +118,8 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
     """The generated module's ``score_mod_capture_grad`` / ``..._torch`` and
     ``CAPTURE_GRAD_SLOTS``: for a score_mod that reads floating-point captured tensors, the
     function that adds each one's gradient, ``dS * d mod / d t[index]`` where the weight ``p``
-    is not 0, into a gradient array per slot (``LEARNABLE``: a bit mask of the slots to add).
+    is not 0, into a gradient array per slot: the capture tuple it gets holds, after the
+    captured tensors, one array per slot (``LEARNABLE``: a bit mask of the slots to add).
     Every read of ``t[index]`` (a gather) is one term, differentiated by mod_derivative with the
     read as the variable. cuTile's adds by atomics into fp32 arrays, in the dK/dV kernel's
     orientation (keys x queries: a term whose index reads no query, or no key, is summed over
@@ -127,6 +127,7 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
     ``index_put_(accumulate=True)``. Nothing when the mod's body is not plain assignments, it
     reads no float tensor or a rule is missing (its backward then runs the reference path)."""
     floats = {slot for slot, t in enumerate(translator.captures) if t.is_floating_point()}
+    grads_at = len(translator.captures)  # slot s's gradient array: captures[grads_at + s]
     texts = []
     for definition in (translator.ct_defs[name], translator.twins[name][0]):
         torch_twin = definition.name.endswith("_torch")
@@ -148,12 +149,12 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
             index = _read_index(site, torch_twin)
             reads = [any(isinstance(n, ast.Name) and n.id == params[axis] for item in index
                          for n in ast.walk(item)) for axis in (3, 4)]  # (query, key)
-            body.append(_add_term(slot, derived, index, reads, torch_twin))
+            body.append(_add_term(slot, grads_at + slot, derived, index, reads, torch_twin))
             slots.append(slot)
         if not body:
             return []
         grad = ast.parse(f"def {definition.name}_capture_grad(p, ds, {', '.join(params)}, "
-                         f"{CAPTURES}, {CAPTURE_GRADS}, LEARNABLE):\n    pass").body[0]
+                         f"{CAPTURES}, LEARNABLE):\n    pass").body[0]
         grad.body = [stmt for term in body for stmt in ast.parse(term).body] + [
             ast.Return(ast.Name("ds", ast.Load()))]
         texts.append(ast.unparse(ast.fix_missing_locations(grad)) + "\n")
@@ -184,14 +185,15 @@ def _read_index(site: ast.expr, torch_twin: bool) -> list:
     return list(index.elts) if isinstance(index, ast.Tuple) else [index]
 
 
-def _add_term(slot: int, derived: ast.expr, index: list, reads: list, torch_twin: bool) -> str:
-    """Source of one term's add (see :func:`capture_grad_entries`)."""
+def _add_term(slot: int, target: int, derived: ast.expr, index: list, reads: list,
+              torch_twin: bool) -> str:
+    """Source of one term's add into ``captures[target]`` (:func:`capture_grad_entries`)."""
     where = "torch.where" if torch_twin else "ct.where"
     items = ", ".join(ast.unparse(i) for i in index) + ("," if len(index) == 1 else "")
     lines = [f"if LEARNABLE & {1 << slot}:",
              f"    _g = {where}(p > 0.0, ds * ({ast.unparse(derived)}), 0.0)"]
     if torch_twin:
-        lines.append(f"    _twin_index_add({CAPTURE_GRADS}[{slot}], ({items}), _g)")
+        lines.append(f"    _twin_index_add({CAPTURES}[{target}], ({items}), _g)")
         return "\n".join(lines)
     reads_query, reads_key = reads
     if not reads_query and not reads_key:
@@ -200,7 +202,7 @@ def _add_term(slot: int, derived: ast.expr, index: list, reads: list, torch_twin
         lines.append("    _g = ct.sum(_g, axis=0, keepdims=True)")
     elif not reads_query:
         lines.append("    _g = ct.sum(_g, axis=1, keepdims=True)")
-    lines.append(f"    ct.atomic_add({CAPTURE_GRADS}[{slot}], ({items}), _g, "
+    lines.append(f"    ct.atomic_add({CAPTURES}[{target}], ({items}), _g, "
                  "memory_order=ct.MemoryOrder.RELAXED)")
     return "\n".join(lines)
 

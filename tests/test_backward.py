@@ -309,7 +309,8 @@ def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, lea
     assert learn is False or grads[3].dtype == torch.bfloat16
     assert len(launches) == 3
     kv_args = launches[1]
-    capture_grads, constants = kv_args[-7], kv_args[-1]
+    captures, constants = kv_args[-7], kv_args[-1]
     assert constants[P.CAPTURE_GRADS] == int(learn)
-    assert learn is False or (capture_grads[0].dtype == torch.float32
-                              and capture_grads[0].shape == slopes.shape)
+    assert len(captures) == with_mods + learn  # the slopes, then (learnable) their gradient
+    assert learn is False or (captures[1].dtype == torch.float32
+                              and captures[1].shape == slopes.shape and not captures[1].any())

@@ -118,14 +118,17 @@ def learnable_everything(score, b, h, q_idx, kv_idx):
     return torch.tanh(x * bias_table[h, 2]) * 3.0 + positions[kv_idx] * slopes[h]
 
 
-@pytest.mark.parametrize("score_mod", [learnable_alibi, learnable_t5_bias, learnable_everything],
-                         ids=lambda f: f.__name__)
-def test_capture_gradients_match_autograd_of_the_mod(score_mod):
+@pytest.mark.parametrize("score_mod, mask_mod", [
+    (learnable_alibi, None), (learnable_t5_bias, None), (learnable_everything, None),
+    (learnable_alibi, V.document_mask(torch.arange(SKV) // 4))],
+    ids=["alibi", "t5_bias", "everything", "alibi+documents"])
+def test_capture_gradients_match_autograd_of_the_mod(score_mod, mask_mod):
     """What the dK/dV kernel adds into each learnable capture's gradient (the torch twin of
-    its atomics), summed over every score, equals autograd of sum(dS * mod) where p > 0."""
-    compiled = compile_mods(score_mod, None)
+    its atomics), summed over every score, equals autograd of sum(dS * mod) where p > 0 (with
+    a mask_mod's captures too: the gradient arrays follow all of them)."""
+    compiled = compile_mods(score_mod, mask_mod)
     captures = compiled.captures
-    assert compiled.capture_grad_slots == tuple(
+    assert compiled.capture_grad_slots == tuple(  # (the documents' ids are integers)
         slot for slot, t in enumerate(captures) if t.is_floating_point())
     score, b, h, q, kv = grid()
     gen = torch.Generator().manual_seed(1)
