@@ -140,9 +140,10 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     (dq, dk, dv, d_mask, d_captures))`` of one backward (``out`` and ``grad_out`` with unit
     stride along D, any other strides). With ``plan.kv.DQ_ADD`` ``dq`` is the fp32 array the
     dK/dV kernel adds into; with ``plan.kv.MASK_GRAD`` ``d_mask`` is the fp32 array it adds the
-    mask's gradient into (see :func:`mask_grad_buffer`), else None; ``d_captures`` has per
-    captured tensor of the score_mod the zeroed fp32 array the kernel adds its gradient into
-    (its bit in ``plan.kv.CAPTURE_GRADS``), else a placeholder it never reads.
+    mask's gradient into (see :func:`mask_grad_buffer`), else None; with
+    ``plan.kv.CAPTURE_GRADS`` ``d_captures`` has per captured tensor of the score_mod the
+    zeroed fp32 array the kernel adds its gradient into (its bit set), else a placeholder it
+    never reads (without, it is empty).
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
@@ -175,16 +176,15 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                                                      transposed=True))
         q_mask = (tensor,) + tuple(mask.block_table(sched.q_rows, sched.q_keys, keep))
     captures = () if plan.mods is None else plan.mods.kernel_captures()
-    d_captures = tuple(torch.zeros(t.shape, dtype=torch.float32, device=device)
-                       if plan.kv.CAPTURE_GRADS >> slot & 1 else unused_4d
-                       for slot, t in enumerate(captures))
+    d_captures = () if not plan.kv.CAPTURE_GRADS else tuple(
+        torch.zeros(t.shape, dtype=torch.float32, device=device)
+        if plan.kv.CAPTURE_GRADS >> slot & 1 else unused_4d for slot, t in enumerate(captures))
     scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
                int(window))
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = ((query, key, value, grad_out, lse_b, delta, dk, dv,
                 dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
-               + kv_mask + ((captures + d_captures) if plan.kv.CAPTURE_GRADS else captures,)
-               + scalars)
+               + kv_mask + (captures + d_captures,) + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
     grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),

@@ -33,9 +33,9 @@ class BlockTable(NamedTuple):
     key tile; the longest gap of empty tiles [start, end) after it and before the full run; the
     longest run of full tiles [start, end); one past its last non-empty tile. An empty gap or
     run has start == end (a run then sits at the end). The last slot is not the tile's own: in
-    row r it is the row with the r-th longest walk (non-empty span less the gap). FlexAttention's BlockMask keeps the same
-    in both directions; :meth:`transposed` gives the other one (per key tile, its query
-    tiles), which a backward pass over key tiles walks."""
+    row r it is the row with the r-th longest walk (non-empty span less the gap).
+    FlexAttention's BlockMask keeps the same in both directions; :meth:`transposed` gives the
+    other one (per key tile, its query tiles), which a backward pass over key tiles walks."""
     states: torch.Tensor
     ranges: torch.Tensor
 

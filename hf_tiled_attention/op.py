@@ -480,8 +480,9 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     grad (``learnable[i]`` flags ``mods.captures[i]``) whose gradient the kernels cannot add
     (mod_translator.capture_grad_entries), or any learnable tensor in deterministic mode (the
     kernels add its gradient by atomics); there the derivative is a vector-Jacobian product
-    of the mod's torch twin, which also gives the learnable tensors' gradients. Returns ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of
-    the additive mask's compact tensor (in its dtype), then the learnable captures'.
+    of the mod's torch twin, which also gives the learnable tensors' gradients. Returns
+    ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of the additive mask's compact
+    tensor (in its dtype), then the learnable captures'.
     ``keep``: the block tables made may be kept for later calls
     (memo.may_keep_device_memory)."""
     if mods is not None and mods.mask_mod is not None:

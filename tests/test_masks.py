@@ -97,7 +97,7 @@ def test_tile_ranges_equal_plain_loops_on_random_tables():
                 for batch in states.tolist()]
     ranges = tile_ranges(states)
     assert ranges[..., :6].tolist() == expected
-    walked = [[[(r[5] - r[0] if r[5] > r[0] else 0) - (r[2] - r[1]) for r in head] for head in batch]
+    walked = [[[max(r[5] - r[0], 0) - (r[2] - r[1]) for r in head] for head in batch]
               for batch in expected]
     for b, batch in enumerate(walked):  # a permutation of the rows, longest walk first
         for h, head in enumerate(batch):
