@@ -5,6 +5,7 @@ mods, its block mask), in one process.
     python eval/backward_bench.py                      # every preset on the GPU
     python eval/backward_bench.py --preset standard    # B*S = 16k tokens, S 1k/4k/16k
     python eval/backward_bench.py --preset variants    # mods and masks against FlexAttention
+    python eval/backward_bench.py --preset variants-4k --variants alibi-learnable
 
 Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 32/32 at D=64,
 causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
@@ -300,6 +301,10 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
     parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"],
                         help="only the presets' points of these dtypes")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        choices=["none", "right-padded"] + VARIANTS,
+                        help="only the presets' points of these variants (none: the standard "
+                        "preset's)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cpu-seq", type=int, default=96,
@@ -328,6 +333,8 @@ def main(argv=None) -> int:
         for preset in args.preset:
             for point in PRESETS[preset]():
                 if point[1] not in args.dtype:
+                    continue
+                if args.variants is not None and point[0] not in args.variants:
                     continue
                 if not on_gpu and (point[0], point[1]) in seen:
                     continue  # on a CPU: one point per variant and dtype

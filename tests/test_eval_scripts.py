@@ -387,6 +387,15 @@ def test_backward_bench_variants_cpu(tmp_path):
     assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
 
 
+def test_backward_bench_runs_only_the_variants_asked_for(tmp_path):
+    from eval import backward_bench
+    assert backward_bench.main(["--preset", "variants-4k", "padded", "--variants",
+                                "documents", "right-padded", "--backends", "tiled",
+                                "--cpu-seq", "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["variant"] for r in rows} == {"documents", "right-padded"}
+
+
 def test_backward_bench_says_which_variants_are_causal():
     """The variants hold their causal rule in their mods: the causal column reads it there
     (prefix-LM's prefix sees later keys)."""
