@@ -6,6 +6,12 @@ mods, its block mask), in one process.
     python eval/backward_bench.py --preset standard    # B*S = 16k tokens, S 1k/4k/16k
     python eval/backward_bench.py --preset variants    # mods and masks against FlexAttention
     python eval/backward_bench.py --preset variants-4k --variants alibi-learnable
+    python eval/backward_bench.py --preset variants-4k --backward-schedule edge_states=true,false
+
+``--backward-schedule FIELD=V1,V2`` (repeatable) adds, beside `tiled` with the table's
+schedule, a `tiled[FIELD=V,...]` row per combination of the values: the point's
+`schedule.BACKWARD_TABLE` row with those fields replaced (`BackwardSchedule`'s fields), timed in
+the same process.
 
 Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 32/32 at D=64,
 causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
@@ -30,6 +36,9 @@ only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import itertools
 import math
 import sys
 import warnings
@@ -45,6 +54,8 @@ from hf_tiled_attention.masks import compact_mask, mod_mask  # noqa: E402
 from hf_tiled_attention.mods import compile_mods  # noqa: E402
 from hf_tiled_attention.reference import (reference_attention,  # noqa: E402
                                           reference_attention_backward)
+from hf_tiled_attention.schedule import (BackwardSchedule, backward_schedule,  # noqa: E402
+                                         set_backward_schedule)
 from eval.common import DTYPES, ResultsWriter, results_dir, save_figure, timed  # noqa: E402
 from eval.variants_bench import mask_rows, variant_mods, visible_pairs  # noqa: E402
 
@@ -200,6 +211,46 @@ def grad_error(grads: tuple, want: tuple, group: int) -> float:
                for g, w in zip(got, want))
 
 
+def schedule_labels(specs: list[str]) -> dict[str, dict]:
+    """``["edge_states=true,false", "kv_keys=64"]`` -> ``{"tiled[edge_states=True,kv_keys=64]":
+    {"edge_states": True, "kv_keys": 64}, ...}``, the cross product of the values."""
+    fields = {f.name for f in dataclasses.fields(BackwardSchedule)}
+    axes = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if name not in fields or not values:
+            raise SystemExit(f"--backward-schedule expects FIELD=V1,V2 with a BackwardSchedule "
+                             f"field ({', '.join(sorted(fields))}), got {spec!r}")
+        axes.append([(name, _field_value(name, v)) for v in values.split(",")])
+    combos = [dict(combo) for combo in itertools.product(*axes)] if axes else []
+    return {"tiled[" + ",".join(f"{k}={v}" for k, v in c.items()) + "]": c for c in combos}
+
+
+def _field_value(name: str, text: str):
+    if isinstance(getattr(backward_schedule(128), name), bool):
+        if text.lower() not in ("0", "1", "false", "true"):
+            raise SystemExit(f"--backward-schedule {name} expects true/false/1/0, got {text!r}")
+        return text.lower() in ("1", "true")
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"--backward-schedule {name} expects an integer, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def tiled_schedule(overrides: dict | None, head_dim: int):
+    """The backward runs the table's schedule for ``head_dim`` with ``overrides`` replaced
+    (nothing changed without overrides)."""
+    if not overrides:
+        yield
+        return
+    set_backward_schedule(dataclasses.replace(backward_schedule(head_dim), **overrides))
+    try:
+        yield
+    finally:
+        set_backward_schedule(None)
+
+
 def run_point(point, args, writer: ResultsWriter) -> None:
     variant, dtype, batch, heads, seq, head_dim, causal, backends = point
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,43 +274,59 @@ def run_point(point, args, writer: ResultsWriter) -> None:
         causal = sees_no_later_key(spec["mods"], batch, heads_q, seq, device)
     base = dict(variant=variant, dtype=dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                 seq=seq, head_dim=head_dim, causal=int(causal))
+    labels = {}
     for backend in [b for b in backends if b in args.backends]:
-        rows = {p: dict(base, backend=backend, **{"pass": p}) for p in ("fwd", "bwd")}
-        try:
-            call = make_call(backend, spec, batch, heads_q, seq, device)
-            out = call(q, k, v)
-            # The gradient in the layout of this backend's output, as a model's next layer
-            # hands it back (a contiguous one would add a copy to some backends, not others).
-            grad = torch.empty_like(out).copy_(d_out)
-            inputs = (q, k, v) + spec.get("learnable", ())
-            grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
-            err = grad_error(grads, want, heads_q // heads_kv)
-        except Exception as exc:  # a backend that cannot run the point says why
-            for row in rows.values():
-                row.update(status="unsupported", reason=f"{type(exc).__name__}: {exc}"[:300])
-                writer.add(row)
-            print(f"  {variant} {backend}: unsupported ({type(exc).__name__})", flush=True)
-            continue
+        labels[backend] = None
+        if backend == "tiled":  # (its rows with other schedules beside it)
+            labels.update(args.tiled_schedules)
+    for backend, overrides in labels.items():
+        with tiled_schedule(overrides, head_dim):
+            run_backend(backend, base, spec, (q, k, v, d_out), want, flops, args, writer)
+
+
+def run_backend(backend: str, base: dict, spec: dict, tensors: tuple, want: tuple,
+                flops: float, args, writer: ResultsWriter) -> None:
+    """One backend's fwd and bwd rows of a point (``backend``: a BACKENDS name or a
+    ``tiled[...]`` label of :func:`schedule_labels`)."""
+    q, k, v, d_out = tensors
+    batch, heads_q, heads_kv, seq = (base[k] for k in ("batch", "heads_q", "heads_kv", "seq"))
+    variant, dtype, head_dim = base["variant"], base["dtype"], base["head_dim"]
+    heads = f"{heads_q}/{heads_kv}"
+    rows = {p: dict(base, backend=backend, **{"pass": p}) for p in ("fwd", "bwd")}
+    try:
+        call = make_call(backend.split("[")[0], spec, batch, heads_q, seq, q.device)
+        out = call(q, k, v)
+        # The gradient in the layout of this backend's output, as a model's next layer
+        # hands it back (a contiguous one would add a copy to some backends, not others).
+        grad = torch.empty_like(out).copy_(d_out)
+        inputs = (q, k, v) + spec.get("learnable", ())
+        grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
+        err = grad_error(grads, want, heads_q // heads_kv)
+    except Exception as exc:  # a backend that cannot run the point says why
         for row in rows.values():
-            row["max_err"] = f"{err:.3g}"
-        if not err <= MAX_ERR:
-            for row in rows.values():
-                row.update(status="wrong", reason=f"gradient error {err:.3g} > {MAX_ERR}")
-                writer.add(row)
-            print(f"  {variant} {backend}: WRONG gradients ({err:.3g})", flush=True)
-            continue
-        timed(rows["fwd"], lambda: call(q, k, v), [()], flops, args.warmup, args.reps)
-        timed(rows["bwd"], lambda graph=out, grad=grad: torch.autograd.grad(
-                  graph, inputs, grad, retain_graph=True),
-              [()], 2.5 * flops, args.warmup, args.reps)
-        for p, row in rows.items():
-            row["status"] = "ok"
+            row.update(status="unsupported", reason=f"{type(exc).__name__}: {exc}"[:300])
             writer.add(row)
-            print(f"  {variant:14s} {dtype} B{batch} S{seq} {heads} D{head_dim} "
-                  f"causal={base['causal']} {backend:14s} {p}: {row['ms']} ms "
-                  f"{row['tflops']} TF/s (back to back {row.get('gpu_tflops', '-')}) "
-                  f"err {row['max_err']}", flush=True)
-        del out, grads, grad
+        print(f"  {variant} {backend}: unsupported ({type(exc).__name__})", flush=True)
+        return
+    for row in rows.values():
+        row["max_err"] = f"{err:.3g}"
+    if not err <= MAX_ERR:
+        for row in rows.values():
+            row.update(status="wrong", reason=f"gradient error {err:.3g} > {MAX_ERR}")
+            writer.add(row)
+        print(f"  {variant} {backend}: WRONG gradients ({err:.3g})", flush=True)
+        return
+    timed(rows["fwd"], lambda: call(q, k, v), [()], flops, args.warmup, args.reps)
+    timed(rows["bwd"], lambda graph=out, grad=grad: torch.autograd.grad(
+              graph, inputs, grad, retain_graph=True),
+          [()], 2.5 * flops, args.warmup, args.reps)
+    for p, row in rows.items():
+        row["status"] = "ok"
+        writer.add(row)
+        print(f"  {variant:14s} {dtype} B{batch} S{seq} {heads} D{head_dim} "
+              f"causal={base['causal']} {backend:14s} {p}: {row['ms']} ms "
+              f"{row['tflops']} TF/s (back to back {row.get('gpu_tflops', '-')}) "
+              f"err {row['max_err']}", flush=True)
 
 
 def plot(rows: list[dict], out_dir: Path) -> Path:
@@ -305,6 +372,10 @@ def main(argv=None) -> int:
                         choices=["none", "right-padded"] + VARIANTS,
                         help="only the presets' points of these variants (none: the standard "
                         "preset's)")
+    parser.add_argument("--backward-schedule", action="append", default=[],
+                        metavar="FIELD=V1,V2", help="also time tiled with the table's "
+                        "BackwardSchedule with these fields replaced (repeatable: the cross "
+                        "product)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cpu-seq", type=int, default=96,
@@ -313,6 +384,10 @@ def main(argv=None) -> int:
     parser.add_argument("--replot", action="store_true",
                         help="only redraw backward.png from the folder's kernel_sweep.csv")
     args = parser.parse_args(argv)
+    args.tiled_schedules = schedule_labels(args.backward_schedule)
+    if args.tiled_schedules and "tiled" not in args.backends:
+        raise SystemExit("backward_bench: --backward-schedule varies tiled's schedule, but "
+                         f"--backends {args.backends} leaves tiled out")
     if args.replot:
         import csv
         out_dir = args.out or results_dir() / "backward"

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -394,6 +395,28 @@ def test_backward_bench_runs_only_the_variants_asked_for(tmp_path):
                                 "--cpu-seq", "32", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "kernel_sweep.csv")
     assert {r["variant"] for r in rows} == {"documents", "right-padded"}
+
+
+def test_backward_bench_times_other_backward_schedules_beside_the_table(tmp_path):
+    from eval import backward_bench
+    from hf_tiled_attention.schedule import backward_schedule
+    assert backward_bench.main(["--preset", "variants-4k", "--variants", "documents",
+                                "--backends", "tiled", "--backward-schedule",
+                                "edge_states=true,false", "--backward-schedule", "kv_keys=64",
+                                "--cpu-seq", "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert [r["backend"] for r in rows if r["pass"] == "bwd"] == [
+        "tiled", "tiled[edge_states=True,kv_keys=64]", "tiled[edge_states=False,kv_keys=64]"]
+    assert all(r["status"] == "ok" for r in rows)
+    table = backward_schedule(96)
+    with backward_bench.tiled_schedule({"edge_states": False, "kv_keys": 64}, 96):
+        assert backward_schedule(96) == replace(table, edge_states=False, kv_keys=64)
+    assert backward_schedule(96) == table
+    for bad in (["--backward-schedule", "edge_state=false"], ["--backward-schedule",
+                "edge_states=maybe"], ["--backward-schedule", "kv_keys=64",
+                                       "--backends", "flex"]):
+        with pytest.raises(SystemExit, match="backward-schedule|leaves tiled out"):
+            backward_bench.main(bad + ["--out", str(tmp_path)])
 
 
 def test_backward_bench_says_which_variants_are_causal():
