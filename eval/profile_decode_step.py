@@ -86,27 +86,37 @@ def ranges_around_attention(model):
         modeling_llama.create_causal_mask = saved_mask
 
 
+def tally(events) -> tuple[dict, dict, int, dict]:
+    """A profile's events as (GPU us per kernel name, host self-time us per op name, kernel
+    launches, inclusive host us of the attention and mask ranges)."""
+    kernels, host = defaultdict(float), defaultdict(float)
+    launches = 0
+    ranges = {}  # a range that never ran stays absent: its column is left empty
+    for event in events:
+        # With CUDA profiling on, each range comes back twice under its name: on the host, and
+        # as a GPU annotation spanning its kernels (no host time, not a kernel: taking it for
+        # either read the ranges as 0 and counted them into the GPU busy time).
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if not (getattr(event, "is_user_annotation", False)
+                    or event.name in (ATTENTION_RANGE, MASK_RANGE)):
+                kernels[event.name] += event.device_time_total
+                launches += 1
+        elif event.name in (ATTENTION_RANGE, MASK_RANGE):
+            ranges[event.name] = ranges.get(event.name, 0.0) + event.cpu_time_total
+    for entry in events.key_averages():
+        if entry.key not in (ATTENTION_RANGE, MASK_RANGE):
+            host[entry.key] += entry.self_cpu_time_total
+    return kernels, host, launches, ranges
+
+
 def profiled(fn, model, on_gpu: bool) -> tuple[dict, dict, int, dict]:
-    """Runs ``fn`` under torch.profiler: (GPU us per kernel name, host self-time us per op
-    name, kernel launches, inclusive host us of the attention and mask ranges)."""
+    """Runs ``fn`` under torch.profiler; its events tallied (`tally`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with ranges_around_attention(model), profile(activities=activities) as prof:
         fn()
-    kernels, host = defaultdict(float), defaultdict(float)
-    launches = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] += event.device_time_total
-            launches += 1
-    ranges = {}  # a range that never ran stays absent: its column is left empty
-    for entry in prof.key_averages():
-        if entry.key in (ATTENTION_RANGE, MASK_RANGE):
-            ranges[entry.key] = entry.cpu_time_total
-        else:
-            host[entry.key] += entry.self_cpu_time_total
-    return kernels, host, launches, ranges
+    return tally(prof.events())
 
 
 def difference(full: dict, first: dict, steps: int) -> dict:

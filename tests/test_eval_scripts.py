@@ -126,14 +126,44 @@ def test_profile_decode_step_cpu(tmp_path):
     rows = read_csv(tmp_path / "decode_step_profile.csv")
     assert list(rows[0]) == profile_decode_step.COLUMNS
     assert [r["backend"] for r in rows] == ["tiled", "sdpa"]
-    # CPU: wall and host times only (no GPU columns); the attention range was recorded (its
-    # per-step value is a difference of two timed runs: noisy at this size, so not checked).
-    assert all(float(r["step_ms"]) > 0 and r["host_attention_ms"] != ""
-               and r["gpu_busy_ms"] == "" for r in rows)
+    # CPU: wall and host times only (no GPU columns). Both ranges were recorded with host time:
+    # the profiled full run calls them 48 forwards more than the prefill-only one.
+    assert all(float(r["step_ms"]) > 0 and r["gpu_busy_ms"] == "" for r in rows)
+    assert all(float(r["host_attention_ms"]) > 0 and float(r["host_mask_ms"]) > 0 for r in rows)
     listing = (tmp_path / "decode_step_kernels.txt").read_text()
     assert "## tiled batch 1 prompt 16: host self-time" in listing
     assert profile_decode_step.is_attention_kernel("attention_forward_Kt2_A5bf16")
     assert not profile_decode_step.is_attention_kernel("nvjet_sm90_tst_64x8")
+
+
+def test_profile_decode_step_tally_gpu_events():
+    # A GPU profile's layout, without a GPU: each range also comes back as a CUDA annotation of
+    # the same name after its host event (on the H200 the ranges read 0, the annotation was
+    # summed as a kernel).
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from eval import profile_decode_step as pds
+
+    def event(eid, name, start, end, device=DeviceType.CPU, annotation=False):
+        return FunctionEvent(eid, name, thread=0, start_us=start, end_us=end, stack=[],
+                             input_shapes=[], use_device="cuda", device_type=device,
+                             is_user_annotation=annotation)
+
+    events = EventList([
+        event(1, pds.ATTENTION_RANGE, 0, 30, annotation=True),
+        event(2, "aten::mm", 5, 15),
+        event(3, pds.MASK_RANGE, 40, 44, annotation=True),
+        event(4, pds.ATTENTION_RANGE, 50, 70, annotation=True),
+        event(5, "attention_forward_Kt2", 60, 64, DeviceType.CUDA),
+        event(6, pds.ATTENTION_RANGE, 58, 66, DeviceType.CUDA, annotation=True),
+        event(7, pds.MASK_RANGE, 59, 60, DeviceType.CUDA, annotation=True),
+    ], use_device="cuda")
+    events._build_tree()  # what the profiler does before handing its events out (self times)
+    kernels, host, launches, ranges = pds.tally(events)
+    assert ranges == {pds.ATTENTION_RANGE: 50, pds.MASK_RANGE: 4}
+    assert dict(kernels) == {"attention_forward_Kt2": 4} and launches == 1
+    assert pds.ATTENTION_RANGE not in host and host["aten::mm"] == 10
 
 
 def test_variants_bench_cpu(tmp_path):
