@@ -26,12 +26,9 @@ nothing about GPU speed).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import statistics
 import sys
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -41,84 +38,12 @@ import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="ti
 from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
 from eval.generate_throughput import timed_generate  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
+from eval.profiling import (ATTENTION_RANGE, MASK_RANGE, is_attention_kernel,  # noqa: E402
+                            add_profile, finish_profile, profiled)
 
 COLUMNS = ["model", "layers", "backend", "batch", "prompt", "steps", "step_ms", "gpu_busy_ms",
            "attention_gpu_ms", "other_gpu_ms", "gpu_idle_ms", "kernels", "host_attention_ms",
            "host_mask_ms"]
-# Host-time ranges the profiled runs add around the attention functions and the mask builder.
-ATTENTION_RANGE, MASK_RANGE = "decode_profile::attention", "decode_profile::mask"
-# Kernel names that are attention: our two cuTile kernels and sdpa's backends.
-ATTENTION_KERNELS = ("attention_forward", "merge_splits", "flash", "fmha", "cudnn",
-                     "efficient_attention", "sdpa")
-
-
-def is_attention_kernel(name: str) -> bool:
-    lowered = name.lower()
-    return any(part in lowered for part in ATTENTION_KERNELS)
-
-
-@contextlib.contextmanager
-def ranges_around_attention(model):
-    """Wraps the model's attention function and its mask builder in profiler ranges (their
-    inclusive host time), for the profiled runs only."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama import modeling_llama
-
-    def in_range(name, fn):
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-        return wrapped
-
-    backend = model.config._attn_implementation
-    saved_attention = ALL_ATTENTION_FUNCTIONS.get(backend)
-    saved_mask = modeling_llama.create_causal_mask
-    if saved_attention is not None:  # eager is the module's own function, not in the registry
-        ALL_ATTENTION_FUNCTIONS._global_mapping[backend] = in_range(ATTENTION_RANGE,
-                                                                    saved_attention)
-    modeling_llama.create_causal_mask = in_range(MASK_RANGE, saved_mask)
-    try:
-        yield
-    finally:
-        if saved_attention is not None:
-            ALL_ATTENTION_FUNCTIONS._global_mapping[backend] = saved_attention
-        modeling_llama.create_causal_mask = saved_mask
-
-
-def tally(events) -> tuple[dict, dict, int, dict]:
-    """A profile's events as (GPU us per kernel name, host self-time us per op name, kernel
-    launches, inclusive host us of the attention and mask ranges)."""
-    kernels, host = defaultdict(float), defaultdict(float)
-    launches = 0
-    ranges = {}  # a range that never ran stays absent: its column is left empty
-    for event in events:
-        # With CUDA profiling on, each range comes back twice under its name: on the host, and
-        # as a GPU annotation spanning its kernels (no host time, not a kernel: taking it for
-        # either read the ranges as 0 and counted them into the GPU busy time).
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            if not (getattr(event, "is_user_annotation", False)
-                    or event.name in (ATTENTION_RANGE, MASK_RANGE)):
-                kernels[event.name] += event.device_time_total
-                launches += 1
-        elif event.name in (ATTENTION_RANGE, MASK_RANGE):
-            ranges[event.name] = ranges.get(event.name, 0.0) + event.cpu_time_total
-    for entry in events.key_averages():
-        if entry.key not in (ATTENTION_RANGE, MASK_RANGE):
-            host[entry.key] += entry.self_cpu_time_total
-    return kernels, host, launches, ranges
-
-
-def profiled(fn, model, on_gpu: bool) -> tuple[dict, dict, int, dict]:
-    """Runs ``fn`` under torch.profiler; its events tallied (`tally`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with ranges_around_attention(model), profile(activities=activities) as prof:
-        fn()
-    return tally(prof.events())
-
-
 def difference(full: dict, first: dict, steps: int) -> dict:
     return {name: (full.get(name, 0.0) - first.get(name, 0.0)) / steps
             for name in set(full) | set(first)}
@@ -187,24 +112,11 @@ def main(argv=None) -> int:
         for backend, model in models.items():
             fields, per_kernel, per_op = profile_decode(model, ids, args.steps, args.reps,
                                                         on_gpu)
-            row = dict(model=shape, layers=layers, backend=backend, batch=batch, prompt=prompt,
-                       steps=args.steps)
-            row.update({k: (f"{v:.3f}" if isinstance(v, float) else v)
-                        for k, v in fields.items()})
-            results.add(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-            for title, table in (("GPU us per step, by kernel", per_kernel),
-                                 ("host self-time us per step, by op", per_op)):
-                listing.append(f"## {backend} batch {batch} prompt {prompt}: {title}")
-                for name, us in sorted(table.items(), key=lambda kv: -kv[1])[:args.top]:
-                    listing.append(f"{us:10.1f}  {name[:110]}")
-                listing.append("")
-            if on_gpu:
-                torch.cuda.empty_cache()
-    csv_path = results.finish(extra={"dtype": str(dtype)})
-    kernels_path = out_dir / "decode_step_kernels.txt"
-    kernels_path.write_text("\n".join(listing) + "\n")
-    print(f"csv: {csv_path}\nkernels: {kernels_path}")
+            add_profile(results, dict(model=shape, layers=layers, backend=backend, batch=batch,
+                                      prompt=prompt, steps=args.steps),
+                        fields, per_kernel, per_op, f"{backend} batch {batch} prompt {prompt}",
+                        listing, args.top)
+    finish_profile(results, listing, out_dir / "decode_step_kernels.txt", dtype)
     return 0
 
 

@@ -132,18 +132,36 @@ def test_profile_decode_step_cpu(tmp_path):
     assert all(float(r["host_attention_ms"]) > 0 and float(r["host_mask_ms"]) > 0 for r in rows)
     listing = (tmp_path / "decode_step_kernels.txt").read_text()
     assert "## tiled batch 1 prompt 16: host self-time" in listing
-    assert profile_decode_step.is_attention_kernel("attention_forward_Kt2_A5bf16")
-    assert not profile_decode_step.is_attention_kernel("nvjet_sm90_tst_64x8")
+    from eval.profiling import is_attention_kernel
+    assert is_attention_kernel("attention_forward_Kt2_A5bf16")
+    assert is_attention_kernel("attention_backward_kv_Kt2")
+    assert not is_attention_kernel("nvjet_sm90_tst_64x8")
 
 
-def test_profile_decode_step_tally_gpu_events():
+def test_profile_train_step_cpu(tmp_path):
+    from eval import profile_train_step
+    assert profile_train_step.main(["--layers", "2", "--batchings", "packed-16k", "unpadded-8k",
+                                    "--reps", "1", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "train_step_profile.csv")
+    assert list(rows[0]) == profile_train_step.COLUMNS
+    assert [(r["backend"], r["batching"]) for r in rows] == [
+        ("tiled", "packed-16k"), ("sdpa", "packed-16k"), ("tiled", "unpadded-8k"),
+        ("sdpa", "unpadded-8k")]
+    # CPU: host times only; the profiled step ran the attention functions and mask builders
+    assert all(float(r["step_ms"]) > 0 and r["gpu_busy_ms"] == "" for r in rows)
+    assert all(float(r["host_attention_ms"]) > 0 and float(r["host_mask_ms"]) > 0 for r in rows)
+    listing = (tmp_path / "train_step_kernels.txt").read_text()
+    assert "## tiled packed-16k: host self-time us per step, by op" in listing
+
+
+def test_profile_tally_of_gpu_events():
     # A GPU profile's layout, without a GPU: each range also comes back as a CUDA annotation of
     # the same name after its host event (on the H200 the ranges read 0, the annotation was
     # summed as a kernel).
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
-    from eval import profile_decode_step as pds
+    from eval import profiling as pds
 
     def event(eid, name, start, end, device=DeviceType.CPU, annotation=False):
         return FunctionEvent(eid, name, thread=0, start_us=start, end_us=end, stack=[],
