@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import math
 import sys
 import warnings
@@ -56,7 +55,8 @@ from hf_tiled_attention.reference import (reference_attention,  # noqa: E402
                                           reference_attention_backward)
 from hf_tiled_attention.schedule import (BackwardSchedule, backward_schedule,  # noqa: E402
                                          set_backward_schedule)
-from eval.common import DTYPES, ResultsWriter, results_dir, save_figure, timed  # noqa: E402
+from eval.common import (DTYPES, ResultsWriter, field_combinations, results_dir,  # noqa: E402
+                         save_figure, timed)
 from eval.variants_bench import mask_rows, variant_mods, visible_pairs  # noqa: E402
 
 COLUMNS = ["variant", "backend", "pass", "dtype", "batch", "heads_q", "heads_kv", "seq",
@@ -214,15 +214,7 @@ def grad_error(grads: tuple, want: tuple, group: int) -> float:
 def schedule_labels(specs: list[str]) -> dict[str, dict]:
     """``["edge_states=true,false", "kv_keys=64"]`` -> ``{"tiled[edge_states=True,kv_keys=64]":
     {"edge_states": True, "kv_keys": 64}, ...}``, the cross product of the values."""
-    fields = {f.name for f in dataclasses.fields(BackwardSchedule)}
-    axes = []
-    for spec in specs:
-        name, _, values = spec.partition("=")
-        if name not in fields or not values:
-            raise SystemExit(f"--backward-schedule expects FIELD=V1,V2 with a BackwardSchedule "
-                             f"field ({', '.join(sorted(fields))}), got {spec!r}")
-        axes.append([(name, _field_value(name, v)) for v in values.split(",")])
-    combos = [dict(combo) for combo in itertools.product(*axes)] if axes else []
+    combos = field_combinations(specs, BackwardSchedule, _field_value, "--backward-schedule")
     return {"tiled[" + ",".join(f"{k}={v}" for k, v in c.items()) + "]": c for c in combos}
 
 

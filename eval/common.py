@@ -195,18 +195,26 @@ def parse_heads(text: str) -> tuple[int, int]:
     return heads_q, heads_kv
 
 
-def parse_schedules(specs: list[str]) -> list[Schedule | None]:
-    """``--schedule tile_m=64,128 --schedule occupancy=1,2`` -> the cross product of Schedules
-    (``[None]`` when no spec is given: the default table)."""
-    if not specs:
-        return [None]
+def field_combinations(specs: list[str], cls: type, parse, flag: str) -> list[dict]:
+    """``["tile_m=64,128", "occupancy=1,2"]`` (a repeatable ``flag``'s values) -> the cross
+    product of the values, as dicts of ``cls``'s fields (``[]`` without specs);
+    ``parse(name, text)`` reads one value."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     axes = []
     for spec in specs:
         name, _, values = spec.partition("=")
-        if name not in {f.name for f in dataclasses.fields(Schedule)} or not values:
-            raise SystemExit(f"--schedule expects FIELD=V1,V2 with a Schedule field, got {spec!r}")
-        axes.append([(name, Schedule.parse_field(name, v)) for v in values.split(",")])
-    return [Schedule(**dict(combo)) for combo in itertools.product(*axes)]
+        if name not in fields or not values:
+            raise SystemExit(f"{flag} expects FIELD=V1,V2 with a {cls.__name__} field "
+                             f"({', '.join(sorted(fields))}), got {spec!r}")
+        axes.append([(name, parse(name, v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] if axes else []
+
+
+def parse_schedules(specs: list[str]) -> list[Schedule | None]:
+    """``--schedule tile_m=64,128 --schedule occupancy=1,2`` -> the cross product of Schedules
+    (``[None]`` when no spec is given: the default table)."""
+    combos = field_combinations(specs, Schedule, Schedule.parse_field, "--schedule")
+    return [Schedule(**combo) for combo in combos] or [None]
 
 
 def first_call(fn, args: tuple, row: dict, refusals: tuple = (RuntimeError,)):
