@@ -38,8 +38,8 @@ import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="ti
 from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
 from eval.generate_throughput import timed_generate  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
-from eval.profiling import (ATTENTION_RANGE, MASK_RANGE, is_attention_kernel,  # noqa: E402
-                            add_profile, finish_profile, profiled)
+from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
+                            step_fields)
 
 COLUMNS = ["model", "layers", "backend", "batch", "prompt", "steps", "step_ms", "gpu_busy_ms",
            "attention_gpu_ms", "other_gpu_ms", "gpu_idle_ms", "kernels", "host_attention_ms",
@@ -65,16 +65,10 @@ def profile_decode(model, ids, steps: int, reps: int, on_gpu: bool) -> tuple[dic
     kernels_first, host_first, launches_first, ranges_first = profiled(first, model, on_gpu)
     kernels = difference(kernels_full, kernels_first, steps)
     host = difference(host_full, host_first, steps)
-    fields = dict(step_ms=step_ms)
-    for column, name in (("host_attention_ms", ATTENTION_RANGE), ("host_mask_ms", MASK_RANGE)):
-        if name in ranges_full:
-            fields[column] = difference(ranges_full, ranges_first, steps)[name] / 1e3
-    if on_gpu:
-        busy = sum(kernels.values()) / 1e3
-        attention = sum(us for name, us in kernels.items() if is_attention_kernel(name)) / 1e3
-        fields.update(gpu_busy_ms=busy, attention_gpu_ms=attention,
-                      other_gpu_ms=busy - attention, gpu_idle_ms=max(step_ms - busy, 0.0),
-                      kernels=(launches_full - launches_first) / steps)
+    ranges = {name: us for name, us in difference(ranges_full, ranges_first, steps).items()
+              if name in ranges_full}
+    fields = step_fields(step_ms, ranges, kernels, (launches_full - launches_first) / steps,
+                         step_ms, on_gpu)
     return fields, kernels, host
 
 

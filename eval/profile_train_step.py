@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, results_dir  # noqa: E402
 from eval.models import SHAPES, build_config, model_device  # noqa: E402
-from eval.profiling import (ATTENTION_RANGE, MASK_RANGE, is_attention_kernel,  # noqa: E402
-                            add_profile, finish_profile, profiled)
+from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
+                            step_fields)
 from eval.train_throughput import BACKENDS, BATCHINGS, make_batch, step  # noqa: E402
 
 COLUMNS = ["model", "layers", "backend", "batching", "step_ms", "gpu_busy_ms",
@@ -53,17 +53,7 @@ def profile_step(model, optimizer, batch: dict, reps: int, on_gpu: bool) -> tupl
     kernels, host, launches, ranges = profiled(lambda: step(model, optimizer, batch, on_gpu),
                                                model, on_gpu)
     wall_ms = (time.perf_counter() - started) * 1e3
-    fields = dict(step_ms=step_ms)
-    for column, name in (("host_attention_ms", ATTENTION_RANGE), ("host_mask_ms", MASK_RANGE)):
-        if name in ranges:
-            fields[column] = ranges[name] / 1e3
-    if on_gpu:
-        busy = sum(kernels.values()) / 1e3
-        attention = sum(us for name, us in kernels.items() if is_attention_kernel(name)) / 1e3
-        fields.update(gpu_busy_ms=busy, attention_gpu_ms=attention,
-                      other_gpu_ms=busy - attention, gpu_idle_ms=max(wall_ms - busy, 0.0),
-                      kernels=launches)
-    return fields, kernels, host
+    return step_fields(step_ms, ranges, kernels, launches, wall_ms, on_gpu), kernels, host
 
 
 def main(argv=None) -> int:

@@ -91,6 +91,24 @@ def profiled(fn, model, on_gpu: bool) -> tuple[dict, dict, int, dict]:
     return tally(prof.events())
 
 
+def step_fields(step_ms: float, ranges: dict, kernels: dict, launches: float,
+                wall_ms: float, on_gpu: bool) -> dict:
+    """A profile row's timing fields from one step's tally (ranges and kernels in us):
+    ``step_ms``, the host ranges' ms where they ran, and on a GPU its busy, attention, other and
+    idle ms (``wall_ms`` less busy) and kernel launches."""
+    fields = dict(step_ms=step_ms)
+    for column, name in (("host_attention_ms", ATTENTION_RANGE), ("host_mask_ms", MASK_RANGE)):
+        if name in ranges:
+            fields[column] = ranges[name] / 1e3
+    if on_gpu:
+        busy = sum(kernels.values()) / 1e3
+        attention = sum(us for name, us in kernels.items() if is_attention_kernel(name)) / 1e3
+        fields.update(gpu_busy_ms=busy, attention_gpu_ms=attention,
+                      other_gpu_ms=busy - attention, gpu_idle_ms=max(wall_ms - busy, 0.0),
+                      kernels=launches)
+    return fields
+
+
 def add_profile(results, row: dict, fields: dict, per_kernel: dict, per_op: dict, label: str,
                 listing: list, top: int) -> None:
     """One backend's profile: ``row`` with ``fields`` (floats to 3 decimals) into ``results``
