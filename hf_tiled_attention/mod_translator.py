@@ -112,6 +112,10 @@ def derivative_entries(translator: "Translator", name: str) -> list[str]:
 
 
 _SITE = "_site"
+# A learnable capture's read that depends on the query and the key through one index item
+# (a bucket table) is added per distinct index of a tile while its tile spans at most this many
+# indices (a tile-wide sum each), else per score (_add_term).
+GRAD_BUCKET_SPAN = 32
 
 
 def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
@@ -147,8 +151,9 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
                 continue
             derived = _NameSubstitute({_SITE: site}).visit(derived)
             index = _read_index(site, torch_twin)
-            reads = [any(isinstance(n, ast.Name) and n.id == params[axis] for item in index
-                         for n in ast.walk(item)) for axis in (3, 4)]  # (query, key)
+            reads = [[any(isinstance(n, ast.Name) and n.id == params[axis]
+                          for n in ast.walk(item)) for axis in (3, 4)]  # (query, key)
+                     for item in index]
             body.append(_add_term(slot, grads_at + slot, derived, index, reads, torch_twin))
             slots.append(slot)
         if not body:
@@ -187,24 +192,49 @@ def _read_index(site: ast.expr, torch_twin: bool) -> list:
 
 def _add_term(slot: int, target: int, derived: ast.expr, index: list, reads: list,
               torch_twin: bool) -> str:
-    """Source of one term's add into ``captures[target]`` (:func:`capture_grad_entries`)."""
+    """Source of one term's add into ``captures[target]`` (:func:`capture_grad_entries`);
+    ``reads``: per index item, whether it reads (the query, the key)."""
     where = "torch.where" if torch_twin else "ct.where"
-    items = ", ".join(ast.unparse(i) for i in index) + ("," if len(index) == 1 else "")
+    items = _index_text(index)
     lines = [f"if LEARNABLE & {1 << slot}:",
              f"    _g = {where}(p > 0.0, ds * ({ast.unparse(derived)}), 0.0)"]
     if torch_twin:
         lines.append(f"    _twin_index_add({CAPTURES}[{target}], ({items}), _g)")
         return "\n".join(lines)
-    reads_query, reads_key = reads
+    reads_query, reads_key = (any(item[axis] for item in reads) for axis in (0, 1))
+    varying = [i for i, item in enumerate(reads) if any(item)]
+    add = "ct.atomic_add({}[{}], ({{}}), {{}}, memory_order=ct.MemoryOrder.RELAXED)".format(
+        CAPTURES, target)
+    if reads_query and reads_key and len(varying) == 1:
+        # One index item reads both (a bucket table: t[buckets[k - q], h]): the scores of a
+        # tile land on few entries, and per-score atomics on one address serialise. So each
+        # distinct index of the tile (between its least and greatest where p > 0) gets one
+        # add of its scores' sum, while they span at most GRAD_BUCKET_SPAN values.
+        at = varying[0]
+        buckets, with_i = ([*index[:at], ast.Name(name, ast.Load()), *index[at + 1:]]
+                           for name in ("_b", "_i"))
+        lines += [f"    _i = {ast.unparse(index[at])}",
+                  "    _lo = ct.min(ct.where(p > 0.0, _i, 2147483647))",
+                  "    _hi = ct.max(ct.where(p > 0.0, _i, -1))",
+                  f"    if _hi - _lo < {GRAD_BUCKET_SPAN}:",
+                  "        for _b in range(_lo, _hi + 1):",
+                  "            " + add.format(_index_text(buckets),
+                                            "ct.sum(ct.where(_i == _b, _g, 0.0))"),
+                  "    else:",
+                  "        " + add.format(_index_text(with_i), "_g")]
+        return "\n".join(lines)
     if not reads_query and not reads_key:
         lines.append("    _g = ct.sum(_g)")
     elif not reads_key:  # keys are axis 0 of the dK/dV kernel's tiles
         lines.append("    _g = ct.sum(_g, axis=0, keepdims=True)")
     elif not reads_query:
         lines.append("    _g = ct.sum(_g, axis=1, keepdims=True)")
-    lines.append(f"    ct.atomic_add({CAPTURES}[{target}], ({items}), _g, "
-                 "memory_order=ct.MemoryOrder.RELAXED)")
+    lines.append("    " + add.format(items, "_g"))
     return "\n".join(lines)
+
+
+def _index_text(index: list) -> str:
+    return ", ".join(ast.unparse(i) for i in index) + ("," if len(index) == 1 else "")
 
 
 class _ReplaceSite(ast.NodeTransformer):

@@ -138,7 +138,8 @@ def test_derived_score_mods_train_on_the_kernels(dtype):
 def test_learnable_score_mod_on_the_kernels(dtype):
     """A score_mod that reads tensors which require grad trains on the kernels: the dK/dV
     kernel adds their gradients by atomics (a relative-position table per element, per-head
-    slopes summed per tile first). No reference-path warning."""
+    slopes summed per tile first, a T5 bucket table per entry and tile). No reference-path
+    warning."""
     case = Case(seq_q=120, seq_kv=150, causal=True, heads_q=8, heads_kv=2)
     table = torch.randn(300, device="cuda").requires_grad_()
     slopes = (torch.rand(8, device="cuda") * 0.2).requires_grad_()
@@ -146,9 +147,16 @@ def test_learnable_score_mod_on_the_kernels(dtype):
     def bias(score, b, h, q_idx, kv_idx):
         return score * (1.0 + slopes[h]) + table[q_idx - kv_idx + 150]
 
+    # T5's bucket table: a tile's scores land on few entries, added once per entry and tile
+    # (mod_translator.GRAD_BUCKET_SPAN), not per score
+    t5_table = (torch.randn(32, 8, device="cuda") * 0.5).requires_grad_()
+    t5_bias = hta.variants.relative_position_bias(
+        t5_table, hta.variants.relative_position_buckets(120, 150, max_distance=64).cuda(), 120)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_grads(case, dtype, score_mod=bias, learnable=(table, slopes))
+        check_grads(replace(case, causal=False), dtype, score_mod=t5_bias,
+                    learnable=(t5_table,))
     assert not [w for w in caught if "reference path" in str(w.message)]
 
 

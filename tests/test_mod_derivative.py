@@ -151,6 +151,99 @@ def test_capture_gradients_match_autograd_of_the_mod(score_mod, mask_mod):
     assert all(not g.any() for s, g in enumerate(only_first) if s != slots[0])
 
 
+class _TorchTiles:
+    """cuTile's functions that the generated capture-gradient adds call, on torch tensors (a
+    tile is a tensor; an index tuple broadcasts as the kernel's does): enough to run the
+    kernel's text on the CPU, tile by tile. Any other name fails the test."""
+
+    class MemoryOrder:
+        RELAXED = "relaxed"
+
+    @staticmethod
+    def where(cond, x, y):
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        return torch.where(cond, x, y.to(x.dtype) if y.dim() == 0 else y)
+
+    @staticmethod
+    def sum(x, axis=None, keepdims=False):
+        return x.sum() if axis is None else x.sum(dim=axis, keepdim=keepdims)
+
+    @staticmethod
+    def min(x):
+        return x.min()
+
+    @staticmethod
+    def max(x):
+        return x.max()
+
+    @staticmethod
+    def gather(array, index):
+        return array[tuple(i.long() for i in torch.broadcast_tensors(*map(torch.as_tensor,
+                                                                            index)))]
+
+    @staticmethod
+    def atomic_add(array, index, values, memory_order=None):
+        *index, values = torch.broadcast_tensors(*map(torch.as_tensor, index),
+                                                torch.as_tensor(values))
+        array.index_put_(tuple(i.long() for i in index), values.to(array.dtype),
+                         accumulate=True)
+
+    def __getattr__(self, name):  # math functions (tanh, exp, ...) as torch's
+        if name in ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sin", "cos", "abs",
+                    "minimum", "maximum", "floor", "ceil"):
+            return getattr(torch, name)
+        raise AttributeError(f"the test's cuTile stand-in has no {name}")
+
+
+wide_table = torch.randn(80, H)  # 80 entries: tiles whose reads span more than 32 of them
+wide_buckets = torch.randint(0, 80, (SQ, SKV))
+
+
+def learnable_wide_table(score, b, h, q_idx, kv_idx):
+    return score + wide_table[wide_buckets[q_idx, kv_idx], h]
+
+
+@pytest.mark.parametrize("score_mod", [learnable_t5_bias, learnable_wide_table,
+                                       learnable_everything], ids=lambda f: f.__name__)
+def test_kernel_capture_adds_equal_their_twin(score_mod):
+    """The cuTile text of the capture-gradient adds (the dK/dV kernel's: tiles of keys x
+    queries, b and h scalars), run with torch standing in for cuTile over tiles of 4 keys x 3
+    queries, adds what the torch twin adds over the whole grid: the bucket table's per-index
+    tile sums (spans up to 32) and its per-score adds (wider spans) included."""
+    import types
+    compiled = compile_mods(score_mod, None)
+    captures, slots = compiled.captures, compiled.capture_grad_slots
+    kernel_fn = compiled.module.score_mod_capture_grad
+    assert "for _b in range(_lo, _hi + 1)" in open(compiled.path).read()
+    kernel_fn = types.FunctionType(kernel_fn.__code__, {**kernel_fn.__globals__,
+                                                        "ct": _TorchTiles()})
+    score, b, h, q, kv = grid()
+    gen = torch.Generator().manual_seed(2)
+    ds = torch.randn(score.shape, generator=gen, dtype=torch.float64)
+    p = (torch.rand(score.shape, generator=gen) > 0.3).double()
+    bits = sum(1 << s for s in slots)
+    want = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
+    compiled.capture_grad_twin()(p, ds, score, b, h, q, kv, want, bits)
+    got = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
+    spans = set()
+    for bi in range(B):
+        for hi in range(H):
+            for k0 in range(0, SKV, 4):
+                for q0 in range(0, SQ, 3):
+                    keys = torch.arange(k0, min(k0 + 4, SKV))[:, None]     # axis 0: keys
+                    queries = torch.arange(q0, min(q0 + 3, SQ))[None, :]   # axis 1: queries
+                    tile = (bi, hi, queries, keys)
+                    kernel_fn(p[tile], ds[tile], score[tile], bi, hi, queries, keys,
+                              captures + tuple(got), bits)
+                    if score_mod is learnable_wide_table:
+                        seen = wide_buckets[queries, keys][p[tile] > 0]
+                        spans.add(bool(len(seen)) and int(seen.max() - seen.min()) >= 32)
+    for slot in slots:
+        torch.testing.assert_close(got[slot], want[slot], rtol=1e-9, atol=1e-9)
+    if score_mod is learnable_wide_table:
+        assert spans == {False, True}  # both branches ran
+
+
 def test_no_capture_gradient_without_float_captures():
     assert compile_mods(V.softcap(20.0), None).capture_grad_slots == ()
     assert compile_mods(lambda s, b, h, q, kv: s + (kv - q) * 0.5, None).capture_grad_twin() is None
