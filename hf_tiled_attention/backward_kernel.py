@@ -101,6 +101,9 @@ def attention_backward_kv(
                                                TILE_M, C[P.CAUSAL], C[P.WINDOWED])
     k = _load_parts(K, batch, kv_head, n_tile, TILE_N, C)
     v = _load_parts(V, batch, kv_head, n_tile, TILE_N, C)
+    if C[P.PDL]:  # the Delta kernel's rows are read from here on; the dQ kernel may start
+        ct.grid_dependency_control_wait()
+        ct.grid_dependency_control_launch_dependents()
     kv_idx = (key_lo + ct.arange(TILE_N, dtype=ct.int32))[:, None]
     row_in_tile = ct.arange(TILE_M, dtype=ct.int32)[None, :]
     # A mask with a row per query has a per-(key tile, query tile) table (transposed); one row
@@ -222,6 +225,8 @@ def attention_backward_q(
     first, gap_lo, gap_hi, full_lo, full_hi, end = walk
     q = _load_parts(Q, batch, head, m_tile, TILE_M, C)
     do = _load_parts(dOut, batch, head, m_tile, TILE_M, C)
+    if C[P.PDL]:  # the rows come from the Delta kernel, done before the dK/dV kernel ends
+        ct.grid_dependency_control_wait()
     lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,
                            ct.PaddingMode.POS_INF).reshape((TILE_M, 1))
     delta = _load_row_values(Delta, batch, head, m_tile, TILE_M,
@@ -282,11 +287,14 @@ def attention_backward_rows(
     TILE_M: ct.Constant,  # rows per block
     TILE_D: ct.Constant,  # the head dim's padded tile
     WITH_DLSE: ct.Constant,  # a gradient reaches the LSE (dLse is read)
+    PDL: ct.Constant,     # the dK/dV kernel is its programmatic dependent (may start early)
 ):
     """What the other two kernels read per query row (reference.backward_rows is the torch
     twin): ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with -inf (a row
     that saw no key) made +inf, so that its recomputed probabilities are exactly 0. Grid:
     (row tiles, Hq, B); all arrays (B, Hq, Sq[, D])."""
+    if PDL:
+        ct.grid_dependency_control_launch_dependents()
     m_tile = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)

@@ -103,7 +103,7 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
             DQ_ADD=dq_add and in_kv_kernel, CAPTURE_GRADS=capture_grads if in_kv_kernel else 0,
             TABLE_ORDER=schedule.table_order and kind != NO_MASK and per_row,
-            EDGE_STATES=schedule.edge_states)
+            EDGE_STATES=schedule.edge_states, PDL=schedule.pdl)
 
     return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys, True),
                         constants(schedule.q_rows, schedule.q_keys, False), schedule,
@@ -153,7 +153,7 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     d_lse = lse if grad_lse is None else grad_lse.float().contiguous()  # (not read: no dLse)
     rows_tile = plan.schedule.rows_tile
     rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), rows_tile,
-                 head_dim_tile(head_dim), grad_lse is not None)
+                 head_dim_tile(head_dim), grad_lse is not None, plan.schedule.pdl)
     unused = placeholders(device, 3, keep)
     unused_4d = placeholders(device, 4, keep).lse  # (fp32)
     if plan.kv.DQ_ADD:  # added into by every key tile's block
@@ -239,11 +239,14 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     rows_kernel, kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
     stream = torch._C._cuda_getCurrentRawStream(query.device.index)
+    pdl = plan.schedule.pdl  # (the dK/dV and dQ launches start before their predecessor ends)
     with launch_device(query.device):
         ct.launch(stream, grids[0], rows_kernel, rows_args)
-        ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,))
+        ct.launch(stream, grids[1], kv_kernel, kv_args + (kv_constants,),
+                  programmatic_dependent_launch=pdl)
         if not plan.kv.DQ_ADD:
-            ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,))
+            ct.launch(stream, grids[2], q_kernel, q_args + (q_constants,),
+                      programmatic_dependent_launch=pdl)
     dq, dk, dv, d_mask, d_captures = grads
     if plan.kv.DQ_ADD:
         dq = dq.to(query.dtype)

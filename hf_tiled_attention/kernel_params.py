@@ -91,6 +91,8 @@ class AttentionConstants(NamedTuple):
     EDGE_STATES: bool   # backward, a mask with a row per query: an edge step reads its tile's
                         # state and skips an empty tile (else it applies the mask unread,
                         # without a data-dependent branch: BackwardSchedule.edge_states)
+    PDL: bool           # backward: launched as a programmatic dependent of the kernel before
+                        # it; waits for it only before reading its rows (BackwardSchedule.pdl)
 
 
 # C[P.CAUSAL] and friends: each field's index under its own name.

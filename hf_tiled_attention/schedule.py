@@ -349,6 +349,12 @@ class BackwardSchedule:
             no data-dependent branch around its loads and MMAs; an empty tile inside the walked
             range, which the table's jumped gap does not cover, is then computed and contributes
             exactly 0).
+        pdl: the dK/dV and dQ kernels are launched as programmatic dependents (cuTile's
+            ``programmatic_dependent_launch``): their blocks start as the kernel before them
+            ends, load their K/V (Q/dOut) tiles and wait for it (``grid_dependency_control_wait``)
+            only before reading the rows it wrote; the Delta and dK/dV kernels let them start
+            (``grid_dependency_control_launch_dependents``) once each of their blocks began.
+            The same gradients, bitwise.
         rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
             (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
             Without hints the compiler gave it 255 registers and one block per SM: 121 us at
@@ -368,6 +374,7 @@ class BackwardSchedule:
     table_order: bool = False
     edge_states: bool = True
     split_head_dim: bool = True
+    pdl: bool = False
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4

@@ -4,6 +4,7 @@ sinks, torch.compile of a training step, and the backward kernels compiled to cu
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -282,18 +283,25 @@ def test_mask_gradient_under_torch_compile():
     torch.testing.assert_close(leaf.grad, want)
 
 
-@pytest.mark.parametrize("with_mods, learn", [(False, False), (True, False), (True, True)],
-                         ids=["no-mods", "alibi", "alibi-learnable"])
-def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, learn):
+@pytest.mark.parametrize("with_mods, learn, pdl", [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True)],
+    ids=["no-mods", "alibi", "alibi-learnable", "pdl"])
+def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, learn, pdl):
     """The launcher on the CPU with cuTile's launch stubbed: it returns [dq, dk, dv] and each
     learnable capture's gradient (in the capture's dtype and shape), hands the dK/dV kernel
-    the zeroed fp32 arrays for them and its CAPTURE_GRADS bits, and launches three kernels."""
+    the zeroed fp32 arrays for them and its CAPTURE_GRADS bits, and launches three kernels
+    (with BackwardSchedule.pdl the last two as programmatic dependents)."""
     import cuda.tile as ct
 
     from hf_tiled_attention import backward_launch
+    from hf_tiled_attention.schedule import backward_schedule
 
-    launches = []
-    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launches.append(args))
+    launches, dependent = [], []
+
+    def launch(stream, grid, kernel, args, programmatic_dependent_launch=False):
+        launches.append(args)
+        dependent.append(programmatic_dependent_launch)
+    monkeypatch.setattr(ct, "launch", launch)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
     slopes = torch.rand(4, dtype=torch.bfloat16)
@@ -304,10 +312,12 @@ def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, lea
     lse = torch.randn(q.shape[:3])
     grads = backward_launch.run_backward(out, q, k, k, out, lse, None, None, causal=True,
                                          scale=0.2, window=None, softcap=None, diag_offset=0,
-                                         mods=mods, learnable=[learn] if with_mods else [])
+                                         mods=mods, learnable=[learn] if with_mods else [],
+                                         schedule=replace(backward_schedule(32), pdl=pdl))
     assert [g.shape for g in grads] == [q.shape, k.shape, k.shape] + ([slopes.shape] * learn)
     assert learn is False or grads[3].dtype == torch.bfloat16
-    assert len(launches) == 3
+    assert len(launches) == 3 and dependent == [False, pdl, pdl]
+    assert launches[0][-1] is pdl and launches[1][-1][P.PDL] is launches[2][-1][P.PDL] is pdl
     kv_args = launches[1]
     captures, constants = kv_args[-7], kv_args[-1]
     assert constants[P.CAPTURE_GRADS] == int(learn)

@@ -276,6 +276,29 @@ def test_dq_added_in_the_kv_kernel(case):
         hta.set_deterministic(None)
 
 
+@pytest.mark.parametrize("case", [
+    Case(heads_q=8, heads_kv=2, causal=True, seq_q=300, seq_kv=300, head_dim=128),
+    Case(heads_q=4, heads_kv=4, seq_q=130, seq_kv=200, head_dim=64, mask="bool_keypad"),
+], ids=lambda c: c.name)
+def test_programmatic_dependent_launches(case):
+    """BackwardSchedule.pdl (off in the table): the dK/dV and dQ kernels launched as
+    programmatic dependents, waiting for the rows kernel's output only where they read it,
+    give the default launches' gradients bitwise, run after run."""
+    from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
+
+    default, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
+    set_backward_schedule(replace(backward_schedule(case.head_dim), pdl=True))
+    try:
+        for _ in range(3):
+            poison_allocator(case.batch * case.heads_q * case.seq_q * 256 * 4)
+            got, want = op_and_definition_grads(case, "cuda", torch.bfloat16)
+            for name in default:
+                assert torch.equal(got[name], default[name]), name
+        assert_grads_match(got, want, torch.bfloat16)
+    finally:
+        set_backward_schedule(None)
+
+
 @pytest.mark.parametrize("edge_states, table_order", [(False, False), (False, True),
                                                       (True, True)])
 def test_mask_walk_schedules(edge_states, table_order):

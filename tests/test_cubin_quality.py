@@ -45,3 +45,25 @@ def test_backward_hopper_kernels_use_wgmma_without_spills(head_dim):
     budget = 65536 // (plan.schedule.rows_occupancy * plan.schedule.rows_warps * 32)
     assert rows["reg"] <= budget and rows.get("stack", 0) == 0, \
         f"Delta kernel: {rows['reg']} registers, stack {rows.get('stack')} B; budget {budget}"
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_backward_programmatic_dependent_launch_in_the_sass(pdl):
+    """BackwardSchedule.pdl: the Delta kernel lets its dependent start (PREEXIT, griddepcontrol
+    .launch_dependents), the dK/dV kernel waits (ACQBULK, griddepcontrol.wait) and lets the dQ
+    kernel start, the dQ kernel waits; none of it without pdl."""
+    from dataclasses import replace
+
+    from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
+    from hf_tiled_attention.schedule import backward_schedule
+
+    q = torch.empty(2, 8, 1024, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16, device="meta")
+    plan = backward_plan(torch.bfloat16, 4, 128, None, True, 128 ** -0.5, False, None, None,
+                         replace(backward_schedule(128), pdl=pdl))
+    rows, kv, dq = (report(cubin)["ops"] for cubin in export_backward_cubins(plan, q, k,
+                                                                             arch="sm_90"))
+    want = {"rows": (1, 0), "dK/dV": (1, 1), "dQ": (0, 1)}  # (PREEXIT, ACQBULK) with pdl
+    for name, ops in (("rows", rows), ("dK/dV", kv), ("dQ", dq)):
+        got = (ops.get("PREEXIT", 0), ops.get("ACQBULK", 0))
+        assert got == (want[name] if pdl else (0, 0)), f"{name}: {got}"
