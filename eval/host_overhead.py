@@ -56,7 +56,7 @@ def stubbed_launch():
         for target, value in ((op, {"kernel_available": lambda device: True,
                                     "_sm_count": lambda device: 132,
                                     "_arch_major": lambda device: 9}),
-                              (ct, {"launch": lambda *args: None}),
+                              (ct, {"launch": lambda *args, **options: None}),
                               (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),
                               (torch._C, {"_cuda_getDevice": lambda: None})):
             for name, stub in value.items():

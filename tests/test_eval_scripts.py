@@ -366,6 +366,17 @@ def test_ncu_summary_reads_the_raw_page():
     assert parse_raw_page("==PROF== no kernels profiled\n") == ([], "")
 
 
+def test_host_overhead_stubbed_launches_run_every_path(capsys):
+    """--stub-launch on the CPU: the op's kernel path, training's backward included, with
+    cuTile's launch a no-op (which must take the launches' keyword options too)."""
+    from eval import host_overhead
+    host_overhead.main(["--stub-launch", "--batch", "1", "--seq-q", "1", "--seq", "128",
+                        "--heads", "4/2", "--head-dim", "64"])
+    printed = capsys.readouterr().out
+    for row in ("tiled_attention", "training fwd + bwd", "transformers tiled"):
+        assert row in printed and "launches stubbed" in printed, printed
+
+
 def test_host_overhead_says_it_needs_a_gpu():
     from eval import host_overhead
     if torch.cuda.is_available():
