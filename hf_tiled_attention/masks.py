@@ -25,6 +25,11 @@ from .mods import CompiledMods, index_grid
 
 # A mask_mod's table is evaluated for this many query/key elements at a time.
 MOD_TABLE_CHUNK = 1 << 22
+# A mask_mod is evaluated once per shape, into cells of this many rows and keys (whether any
+# of a cell is visible, whether all of it is); each block table whose tiles are multiples of
+# the cell is pooled from them (a training step's forward and backward tables: one evaluation
+# of the S x S mod instead of one per table).
+MOD_CELL = 32
 
 
 class BlockTable(NamedTuple):
@@ -268,25 +273,50 @@ class ModMask:
     def block_table(self, tile_m: int, tile_n: int, keep: bool = True,
                     transposed: bool = False) -> BlockTable:
         return _memo_table(self.state_tables, (tile_m, tile_n),
-                           lambda: self._table(tile_m, tile_n), keep, transposed)
+                           lambda: self._table(tile_m, tile_n, keep), keep, transposed)
 
-    def _table(self, tile_m: int, tile_n: int) -> BlockTable:
-        n_m, n_n = -(-self.seq_q // tile_m), -(-self.seq_kv // tile_n)
-        cols = torch.arange(n_n * tile_n, device=self.device)
-        tiles_per_chunk = max(1, MOD_TABLE_CHUNK // (tile_m * n_n * tile_n))
-        parts = []
-        for m0 in range(0, n_m, tiles_per_chunk):
-            m1 = min(m0 + tiles_per_chunk, n_m)
-            rows = torch.arange(m0 * tile_m, m1 * tile_m, device=self.device)
+    def _table(self, tile_m: int, tile_n: int, keep: bool) -> BlockTable:
+        if tile_m % MOD_CELL or tile_n % MOD_CELL:
+            cells = self.cells(tile_m, tile_n)
+        else:
+            cells = _pooled(_memo_table(self.state_tables, ("cells",),
+                                        lambda: self.cells(MOD_CELL, MOD_CELL), keep),
+                            tile_m // MOD_CELL, tile_n // MOD_CELL)
+        return _with_ranges(_states(*cells))
+
+    def cells(self, rows_per: int, keys_per: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(any visible, all visible) per cell of ``rows_per`` x ``keys_per``, bool ``(B or 1,
+        H or 1, cells down, cells across)``, from the mask_mod on every element."""
+        n_m, n_n = -(-self.seq_q // rows_per), -(-self.seq_kv // keys_per)
+        cols = torch.arange(n_n * keys_per, device=self.device)
+        cells_per_chunk = max(1, MOD_TABLE_CHUNK // (rows_per * n_n * keys_per))
+        any_parts, all_parts = [], []
+        for m0 in range(0, n_m, cells_per_chunk):
+            m1 = min(m0 + cells_per_chunk, n_m)
+            rows = torch.arange(m0 * rows_per, m1 * rows_per, device=self.device)
             # Rows and keys past the ends (tile padding) are evaluated at the last ones, so a
             # mod's indexing stays in bounds, and count as visible for "full", hidden for "any".
             visible = self.evaluate(rows.clamp(max=self.seq_q - 1),
                                     cols.clamp(max=self.seq_kv - 1))
             inside = (rows < self.seq_q)[:, None] & (cols < self.seq_kv)[None, :]
-            tiles = (visible.shape[0], visible.shape[1], m1 - m0, tile_m, n_n, tile_n)
-            parts.append(_states((visible & inside).reshape(tiles).any(dim=5).any(dim=3),
-                                 (visible | ~inside).reshape(tiles).all(dim=5).all(dim=3)))
-        return _with_ranges(torch.cat(parts, dim=2).contiguous())
+            cells = (visible.shape[0], visible.shape[1], m1 - m0, rows_per, n_n, keys_per)
+            any_parts.append((visible & inside).reshape(cells).any(dim=5).any(dim=3))
+            all_parts.append((visible | ~inside).reshape(cells).all(dim=5).all(dim=3))
+        return torch.cat(any_parts, dim=2), torch.cat(all_parts, dim=2)
+
+
+def _pooled(cells: tuple[torch.Tensor, torch.Tensor], down: int, across: int) -> tuple:
+    """:meth:`ModMask.cells`' (any, all) merged ``down`` x ``across`` cells at a time, the last
+    ones padded as a tile's padding counts (hidden for "any", visible for "all")."""
+    merged = []
+    for values, reduce, pad in ((cells[0], torch.Tensor.any, False),
+                                (cells[1], torch.Tensor.all, True)):
+        values = F.pad(values, (0, -values.shape[3] % across, 0, -values.shape[2] % down),
+                       value=pad)
+        b, h, m, n = values.shape
+        merged.append(reduce(reduce(values.view(b, h, m // down, down, n // across, across),
+                                    dim=5), dim=3))
+    return tuple(merged)
 
 
 # ModMasks by (mods, captured tensors' identity and version, shape, device): the layers of a

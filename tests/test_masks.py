@@ -106,7 +106,8 @@ def test_tile_ranges_equal_plain_loops_on_random_tables():
             assert [head[r] for r in order] == sorted(head, reverse=True)
 
 
-@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 64), (16, 32)])
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 64), (16, 32), (32, 32),
+                                            (128, 128), (32, 128), (256, 64)])
 def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
     """A mask_mod's block table, built from the mod a few tiles at a time, is the table of the
     dense mask it describes (per batch row and head where the mod depends on them)."""
@@ -122,6 +123,26 @@ def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
     dense = compact_mask(mod(b, h, q, kv), 2, 3, 200, 300)
     assert torch.equal(table.states, tile_states(dense, tile_m, tile_n))
     assert torch.equal(table.ranges, tile_ranges(table.states))
+
+
+def test_mask_mod_is_evaluated_once_for_every_table_of_whole_cells(monkeypatch):
+    """The tables of a training step (forward, dK/dV, dQ tiles: multiples of MOD_CELL) pool
+    one evaluation of the mod into cells; a tile that is not a multiple evaluates it again."""
+    from hf_tiled_attention import masks
+
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([40, 7, 150, 90, 113]))
+    mods = compile_mods(None, lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx])
+                        & (q_idx >= kv_idx))
+    evaluated = []
+    cells = masks.ModMask.cells
+    monkeypatch.setattr(masks.ModMask, "cells", lambda self, rows, keys: evaluated.append(
+        (rows, keys)) or cells(self, rows, keys))
+    mask = masks.ModMask(mods, 1, 2, 400, 400, torch.device("cpu"))
+    b, h, q, kv = index_grid(1, (2,), torch.arange(400), torch.arange(400))
+    dense = compact_mask(mods.mask_mod(b, h, q, kv), 1, 2, 400, 400)
+    for tiles in ((128, 128), (32, 128), (128, 64), (64, 64), (16, 64)):
+        assert torch.equal(mask.block_table(*tiles).states, tile_states(dense, *tiles)), tiles
+    assert evaluated == [(masks.MOD_CELL, masks.MOD_CELL), (16, 64)]
 
 
 def test_a_mask_tensor_passed_again_reuses_its_compact_form_until_it_changes():
