@@ -183,8 +183,11 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         if C[P.MASK_GRAD] != NO_MASK_GRAD:
             _add_mask_grad(DMask, ds, batch, head, i, n_tile, C)
         if C[P.CAPTURE_GRADS] != 0:  # (dS of the mod's output, at the mod's input score)
-            _score_mod_capture_grad(p, ds, unmodified, batch, head, q_idx, kv_idx, Captures,
-                                    C[P.CAPTURE_GRADS])
+            # a key tile's rows past seq_kv are walked as full (their dK/dV is not stored) and
+            # have p > 0 and dS != 0: their weight is 0 here, or they add to the captures
+            seen_p = ct.where(kv_idx < scalars[0], p, 0.0)
+            _score_mod_capture_grad(seen_p, ds, unmodified, batch, head, q_idx, kv_idx,
+                                    Captures, C[P.CAPTURE_GRADS])
         ds = _through_softcap(ds, tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)

@@ -138,8 +138,9 @@ def test_derived_score_mods_train_on_the_kernels(dtype):
 def test_learnable_score_mod_on_the_kernels(dtype):
     """A score_mod that reads tensors which require grad trains on the kernels: the dK/dV
     kernel adds their gradients by atomics (a relative-position table per element, per-head
-    slopes summed per tile first, a T5 bucket table per entry and tile). No reference-path
-    warning."""
+    slopes summed per tile first, a T5 bucket table per entry and tile; the T5 case is not
+    causal and its lengths are not whole tiles, so the last key tile's rows past seq_kv are
+    walked and must add nothing). No reference-path warning."""
     case = Case(seq_q=120, seq_kv=150, causal=True, heads_q=8, heads_kv=2)
     table = torch.randn(300, device="cuda").requires_grad_()
     slopes = (torch.rand(8, device="cuda") * 0.2).requires_grad_()
