@@ -7,6 +7,7 @@ mods, its block mask), in one process.
     python eval/backward_bench.py --preset variants    # mods and masks against FlexAttention
     python eval/backward_bench.py --preset variants-4k --variants alibi-learnable
     python eval/backward_bench.py --preset variants-4k --backward-schedule edge_states=true,false
+    python eval/backward_bench.py --preset head-dims --backward-schedule kv_queries=32
 
 ``--backward-schedule FIELD=V1,V2`` (repeatable) adds, beside `tiled` with the table's
 schedule, a `tiled[FIELD=V,...]` row per combination of the values: the point's
@@ -16,7 +17,9 @@ the same process.
 Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 32/32 at D=64,
 causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
 is timed on the mods), ``padded`` (B=4, S=4k, rows right-padded by 0 to 1/2: `tiled`
-gets a key mask, the SDPA backends the dense mask transformers gives them) and ``variants``
+gets a key mask, the SDPA backends the dense mask transformers gives them), ``head-dims``
+(B=4, S=4k, 32/8, bf16, causal and not, D = 80, 96, 160, 192, 256; against cuDNN and FA2)
+and ``variants``
 (B=4 S=4k and B=1 S=16k, 32/8 heads, D=128, bf16: the mods of variants_bench.py, and ALiBi
 and a T5 bias table whose slopes / table require grad, their gradient part of the timed
 backward; ``variants-4k``: B=4 S=4k only).
@@ -78,6 +81,15 @@ def standard_points():
                            ["tiled", "sdpa_cudnn", "sdpa_flash"])
 
 
+def head_dim_points():
+    """The head dims besides 64 and 128 (Phi-3's 96, two-tile 80 / 160 / 192, Gemma's 256):
+    B=4, S=4k, 32/8 heads, bf16, causal and not."""
+    for head_dim in (80, 96, 160, 192, 256):
+        for causal in (False, True):
+            yield ("none", "bf16", 4, "32/8", 4096, head_dim, causal,
+                   ["tiled", "sdpa_cudnn", "sdpa_flash"])
+
+
 def padded_points():
     yield ("right-padded", "bf16", 4, "32/8", 4096, 128, True,
            ["tiled", "sdpa_cudnn", "sdpa_efficient", "flex"])
@@ -98,7 +110,7 @@ def variant_points(shapes=((4, 4096), (1, 16384))):
 
 
 PRESETS = {"standard": standard_points, "padded": padded_points, "variants": variant_points,
-           "variants-4k": lambda: variant_points(((4, 4096),))}
+           "variants-4k": lambda: variant_points(((4, 4096),)), "head-dims": head_dim_points}
 
 
 def pad_lengths(batch: int, seq: int) -> list[int]:

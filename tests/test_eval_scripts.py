@@ -447,6 +447,18 @@ def test_backward_bench_variants_cpu(tmp_path):
     assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
 
 
+def test_backward_bench_head_dims_cpu(tmp_path):
+    """The head-dims preset: ten points of five head dims; on a CPU its first runs (D=80 on
+    the reference path, two tiles on the GPU)."""
+    from eval import backward_bench
+    points = list(backward_bench.head_dim_points())
+    assert sorted({p[5] for p in points}) == [80, 96, 160, 192, 256] and len(points) == 10
+    assert backward_bench.main(["--preset", "head-dims", "--backends", "tiled", "--cpu-seq",
+                                "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    assert {r["head_dim"] for r in rows} == {"80"} and all(r["status"] == "ok" for r in rows)
+
+
 def test_backward_bench_runs_only_the_variants_asked_for(tmp_path):
     from eval import backward_bench
     assert backward_bench.main(["--preset", "variants-4k", "padded", "--variants",
