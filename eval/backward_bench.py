@@ -8,6 +8,7 @@ mods, its block mask), in one process.
     python eval/backward_bench.py --preset variants-4k --variants alibi-learnable
     python eval/backward_bench.py --preset variants-4k --backward-schedule edge_states=true,false
     python eval/backward_bench.py --preset head-dims --backward-schedule kv_queries=32
+    python eval/backward_bench.py --preset head-dims --head-dims 96 256
 
 ``--backward-schedule FIELD=V1,V2`` (repeatable) adds, beside `tiled` with the table's
 schedule, a `tiled[FIELD=V,...]` row per combination of the values: the point's
@@ -376,6 +377,8 @@ def main(argv=None) -> int:
                         choices=["none", "right-padded"] + VARIANTS,
                         help="only the presets' points of these variants (none: the standard "
                         "preset's)")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=None,
+                        help="only the presets' points of these head dims")
     parser.add_argument("--backward-schedule", action="append", default=[],
                         metavar="FIELD=V1,V2", help="also time tiled with the table's "
                         "BackwardSchedule with these fields replaced (repeatable: the cross "
@@ -414,6 +417,8 @@ def main(argv=None) -> int:
                 if point[1] not in args.dtype:
                     continue
                 if args.variants is not None and point[0] not in args.variants:
+                    continue
+                if args.head_dims is not None and point[5] not in args.head_dims:
                     continue
                 if not on_gpu and (point[0], point[1]) in seen:
                     continue  # on a CPU: one point per variant and dtype

@@ -457,6 +457,9 @@ def test_backward_bench_head_dims_cpu(tmp_path):
                                 "32", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "kernel_sweep.csv")
     assert {r["head_dim"] for r in rows} == {"80"} and all(r["status"] == "ok" for r in rows)
+    assert backward_bench.main(["--preset", "head-dims", "--head-dims", "192", "--backends",
+                                "tiled", "--cpu-seq", "32", "--out", str(tmp_path / "d")]) == 0
+    assert {r["head_dim"] for r in read_csv(tmp_path / "d" / "kernel_sweep.csv")} == {"192"}
 
 
 def test_backward_bench_runs_only_the_variants_asked_for(tmp_path):
