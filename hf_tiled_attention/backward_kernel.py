@@ -120,8 +120,7 @@ def attention_backward_kv(
             first, end, full_lo, full_hi, table, ROW_TABLE, 0, 1)
         key_state = TILE_FULL
         if MASK_KIND != NO_MASK and not ROW_TABLE:
-            key_state = ct.load(TileState, index=(mask_b, mask_h, n_tile, 0),
-                                shape=(1, 1, 1, 1)).item()
+            key_state = _load_state(TileState, (mask_b, mask_h, n_tile, 0), C)
             if key_state != TILE_FULL:  # every query tile reads the mask (or none is walked)
                 i_full_lo = i_end
                 i_full_hi = i_end
@@ -163,8 +162,8 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
     if tile_state != TILE_EMPTY:
         q = _load_parts(Q, batch, head, i, TILE_M, C)
         do = _load_parts(dOut, batch, head, i, TILE_M, C)
-        lse = _load_row_values(LseB, batch, head, i, TILE_M, ct.PaddingMode.POS_INF)
-        delta = _load_row_values(Delta, batch, head, i, TILE_M, ct.PaddingMode.ZERO)
+        lse = _load_step_rows(LseB, batch, head, i, TILE_M, ct.PaddingMode.POS_INF, C)
+        delta = _load_step_rows(Delta, batch, head, i, TILE_M, ct.PaddingMode.ZERO, C)
         qk = _contract(k, _transposed_parts(Q, q, batch, head, i, TILE_M, C),
                        ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32), C)
         s, tanh = _scores(qk, scalars, C)
@@ -230,10 +229,10 @@ def attention_backward_q(
     do = _load_parts(dOut, batch, head, m_tile, TILE_M, C)
     if C[P.PDL]:  # the rows come from the Delta kernel, done before the dK/dV kernel ends
         ct.grid_dependency_control_wait()
-    lse = _load_row_values(LseB, batch, head, m_tile, TILE_M,
-                           ct.PaddingMode.POS_INF).reshape((TILE_M, 1))
-    delta = _load_row_values(Delta, batch, head, m_tile, TILE_M,
-                             ct.PaddingMode.ZERO).reshape((TILE_M, 1))
+    lse = _load_step_rows(LseB, batch, head, m_tile, TILE_M, ct.PaddingMode.POS_INF,
+                          C).reshape((TILE_M, 1))
+    delta = _load_step_rows(Delta, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO,
+                            C).reshape((TILE_M, 1))
     q_idx = (row_lo + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     col_in_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
     rows = (q, do, lse, delta, q_idx, col_in_tile)
@@ -295,7 +294,9 @@ def attention_backward_rows(
     """What the other two kernels read per query row (reference.backward_rows is the torch
     twin): ``Delta = rowsum(dOut * Out) - dLse`` and the LSE in score units with -inf (a row
     that saw no key) made +inf, so that its recomputed probabilities are exactly 0. Grid:
-    (row tiles, Hq, B); all arrays (B, Hq, Sq[, D])."""
+    (row tiles, Hq, B); all arrays (B, Hq, Sq[, D]), Delta and LseB with Sq or, for
+    unchecked loads, Sq padded to whole tiles (backward_launch.padded_rows): a padded row gets
+    Delta 0 and LSE +inf."""
     if PDL:
         ct.grid_dependency_control_launch_dependents()
     m_tile = ct.bid(0)
@@ -306,7 +307,8 @@ def attention_backward_rows(
     delta = ct.sum(out * d_out, axis=-1)
     if WITH_DLSE:
         delta = delta - _load_row_values(dLse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
-    lse = _load_row_values(Lse, batch, head, m_tile, TILE_M, ct.PaddingMode.ZERO)
+    # (rows past Sq, stored when the arrays are padded to whole tiles, read -inf: LSE +inf)
+    lse = _load_row_values(Lse, batch, head, m_tile, TILE_M, ct.PaddingMode.NEG_INF)
     lse = ct.where(lse == -math.inf, math.inf, lse * score_unit)
     ct.store(Delta, index=(batch, head, m_tile), tile=delta.reshape((1, 1, TILE_M)),
              allow_tma=False)
@@ -399,8 +401,25 @@ def _edge_state(TileState, index, C):
     with one row for all queries), else TILE_PARTIAL, a compile-time constant: the mask is
     applied, nothing is skipped and no branch waits on a load."""
     if C[P.EDGE_STATES] or not C[P.MASK_ROWS]:
-        return ct.load(TileState, index=index, shape=(1, 1, 1, 1)).item()
+        return _load_state(TileState, index, C)
     return TILE_PARTIAL
+
+
+def _load_state(TileState, index, C):
+    """One tile's state from a block table (its index is always inside the table: with
+    UNCHECKED, loaded without the bounds check)."""
+    return ct.load(TileState, index=index, shape=(1, 1, 1, 1),
+                   check_bounds=not C[P.UNCHECKED]).item()
+
+
+def _load_step_rows(Values, batch, head, tile, TILE_M, padding, C):
+    """A step's LSE or Delta rows (:func:`_load_row_values`); with UNCHECKED, from arrays the
+    Delta kernel padded to whole tiles, so without bounds checks (and no padding: cuTile's
+    compiler rejects a padding mode on an unchecked load)."""
+    if C[P.UNCHECKED]:
+        return ct.load(Values, index=(batch, head, tile), shape=(1, 1, TILE_M),
+                       check_bounds=False, allow_tma=False).reshape((TILE_M,))
+    return _load_row_values(Values, batch, head, tile, TILE_M, padding)
 
 
 def _load_row_values(Values, batch, head, tile, TILE_M, padding):

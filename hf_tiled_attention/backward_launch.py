@@ -103,7 +103,8 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optiona
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
             DQ_ADD=dq_add and in_kv_kernel, CAPTURE_GRADS=capture_grads if in_kv_kernel else 0,
             TABLE_ORDER=schedule.table_order and kind != NO_MASK and per_row,
-            EDGE_STATES=schedule.edge_states, PDL=schedule.pdl)
+            EDGE_STATES=schedule.edge_states, PDL=schedule.pdl,
+            UNCHECKED=schedule.unchecked_loads)
 
     return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys, True),
                         constants(schedule.q_rows, schedule.q_keys, False), schedule,
@@ -148,8 +149,9 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
     batch, heads_q, seq_q, head_dim = query.shape
-    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
-    lse_b = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=device)
+    rows = padded_rows(seq_q, plan.schedule)
+    delta = torch.empty((batch, heads_q, rows), dtype=torch.float32, device=device)
+    lse_b = torch.empty((batch, heads_q, rows), dtype=torch.float32, device=device)
     d_lse = lse if grad_lse is None else grad_lse.float().contiguous()  # (not read: no dLse)
     rows_tile = plan.schedule.rows_tile
     rows_args = (out, grad_out, lse, d_lse, delta, lse_b, float(plan.score_unit), rows_tile,
@@ -186,10 +188,20 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                 dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
                + kv_mask + (captures + d_captures,) + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
-    grids = ((math.ceil(seq_q / rows_tile), heads_q, batch),
+    grids = ((math.ceil(rows / rows_tile), heads_q, batch),
              (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
     return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask, d_captures)
+
+
+def padded_rows(seq_q: int, schedule: BackwardSchedule) -> int:
+    """The rows of the Delta kernel's two arrays: ``seq_q``, or with ``unchecked_loads``
+    ``seq_q`` rounded up to whole tiles of the three kernels (powers of two: the largest tile's
+    multiple), which the other two kernels then read without bounds checks."""
+    if not schedule.unchecked_loads:
+        return seq_q
+    tile = max(schedule.rows_tile, schedule.kv_queries, schedule.q_rows)
+    return math.ceil(seq_q / tile) * tile
 
 
 def mask_grad_buffer(mask_shape: tuple, query_shape: tuple, tile_m: int, deterministic: bool,

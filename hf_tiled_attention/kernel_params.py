@@ -93,6 +93,9 @@ class AttentionConstants(NamedTuple):
                         # without a data-dependent branch: BackwardSchedule.edge_states)
     PDL: bool           # backward: launched as a programmatic dependent of the kernel before
                         # it; waits for it only before reading its rows (BackwardSchedule.pdl)
+    UNCHECKED: bool     # backward: a step's LSE / Delta rows and block-table states are loaded
+                        # without bounds checks (BackwardSchedule.unchecked_loads; the Delta
+                        # kernel writes its rows padded to whole tiles)
 
 
 # C[P.CAUSAL] and friends: each field's index under its own name.

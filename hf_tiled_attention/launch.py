@@ -259,7 +259,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: O
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
         MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, TABLE_ORDER=False,
-        EDGE_STATES=True, PDL=False)
+        EDGE_STATES=True, PDL=False, UNCHECKED=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,

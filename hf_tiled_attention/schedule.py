@@ -355,6 +355,13 @@ class BackwardSchedule:
             only before reading the rows it wrote; the Delta and dK/dV kernels let them start
             (``grid_dependency_control_launch_dependents``) once each of their blocks began.
             The same gradients, bitwise.
+        unchecked_loads: the steps of both kernels load their query rows' LSE and Delta and
+            their block-table states without bounds checks (cuTile's ``check_bounds=False``:
+            no per-element index compares and selects in the loop), which needs the Delta
+            kernel to write those rows padded to whole tiles of every kernel
+            (backward_launch.padded_rows; a padded row has LSE +inf and Delta 0, so its
+            recomputed probabilities are 0, as a checked load's padding gave). The same
+            gradients, bitwise.
         rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
             (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
             Without hints the compiler gave it 255 registers and one block per SM: 121 us at
@@ -375,6 +382,7 @@ class BackwardSchedule:
     edge_states: bool = True
     split_head_dim: bool = True
     pdl: bool = False
+    unchecked_loads: bool = False
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4
@@ -407,10 +415,11 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
      "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
      "transposing it costs 5-20%"),
-    (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32, rows_tile=32),
-     "D=256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, 16 "
-     "heads against 2.44 / 1.46 with 64 x 64 dQ blocks; 32-row Delta blocks fit its hints' "
-     "64 registers (64 rows took 255)"),
+    (256, BackwardSchedule(kv_keys=64, kv_queries=32, q_rows=128, q_keys=32, rows_tile=32),
+     "D=160..256: dK/dV 64 keys x 32-row query steps (64-row steps spill 352-544 B of stack "
+     "at D=160/192/256, 32-row ones 0-24 B: perf-notes step 42) and dQ 128 x 32, two "
+     "warpgroups (dQ: 1.24 ms at B=4, S=2k, 16 heads against 1.46 with 64 x 64 blocks); "
+     "32-row Delta blocks fit its hints' 64 registers (64 rows took 255)"),
 )
 
 # A schedule that replaces the table's for every backward (set_backward_schedule). A plain

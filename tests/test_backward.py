@@ -324,3 +324,33 @@ def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, lea
     assert len(captures) == with_mods + learn  # the slopes, then (learnable) their gradient
     assert learn is False or (captures[1].dtype == torch.float32
                               and captures[1].shape == slopes.shape and not captures[1].any())
+
+
+@pytest.mark.parametrize("unchecked", [False, True])
+def test_unchecked_loads_read_rows_padded_to_whole_tiles(monkeypatch, unchecked):
+    """BackwardSchedule.unchecked_loads: the Delta kernel's two arrays (and its grid) cover the
+    query rows rounded up to whole tiles of all three kernels, so the other two kernels, told
+    by UNCHECKED, may read them without bounds checks; without it, exactly the rows."""
+    import cuda.tile as ct
+
+    from hf_tiled_attention import backward_launch
+    from hf_tiled_attention.schedule import backward_schedule
+
+    launches = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args, **kw:
+                        launches.append((grid, args)))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
+    schedule = replace(backward_schedule(32), rows_tile=32, kv_queries=16, q_rows=128,
+                       unchecked_loads=unchecked)
+    q, k = torch.randn(2, 4, 200, 32), torch.randn(2, 2, 200, 32)
+    backward_launch.run_backward(q, q, k, k, q, torch.randn(q.shape[:3]), None, None,
+                                 causal=True, scale=0.2, window=None, softcap=None,
+                                 diag_offset=0, schedule=schedule)
+    rows = 256 if unchecked else 200  # (200 rounded up to the 128-row dQ tiles)
+    (rows_grid, rows_args), (_, kv_args), (_, q_args) = launches
+    assert rows_grid == (math.ceil(rows / 32), 4, 2)
+    assert rows_args[4].shape == rows_args[5].shape == (2, 4, rows)  # Delta, LSE
+    assert kv_args[4] is rows_args[5] and kv_args[5] is rows_args[4]
+    assert q_args[4] is rows_args[5] and q_args[5] is rows_args[4]
+    assert kv_args[-1][P.UNCHECKED] is q_args[-1][P.UNCHECKED] is unchecked

@@ -117,6 +117,13 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
     pytest.param("sm_90", torch.bfloat16, 128, dict(
         window=None, softcap=None, mask=None, score_mod=_learnable_mod, learn_captures=True),
         id="sm_90-learnable_captures"),
+    # loads without bounds checks (rows padded to whole tiles): a per-row mask's edge states,
+    # a key mask's one state per key tile, two head-dim parts
+    pytest.param("sm_90", torch.bfloat16, 96, dict(unchecked_loads=True),
+                 id="sm_90-d96-all-unchecked"),
+    pytest.param("sm_90", torch.float16, 64, dict(causal=False, window=None, softcap=None,
+                                                  mask="bool_keypad", unchecked_loads=True),
+                 id="sm_90-keypad-unchecked"),
 ] + [pytest.param(arch, torch.bfloat16, 128, dict(window=None, softcap=None, mask=None),
                   id=f"{arch}-bf16-d128-causal") for arch in ("sm_80", "sm_100", "sm_120")]
 

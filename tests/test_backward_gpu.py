@@ -300,6 +300,39 @@ def test_programmatic_dependent_launches(case):
         set_backward_schedule(None)
 
 
+@pytest.mark.parametrize("case, documents", [
+    (Case(heads_q=8, heads_kv=2, causal=True, seq_q=300, seq_kv=300, head_dim=128), False),
+    (Case(heads_q=4, heads_kv=4, seq_q=130, seq_kv=200, head_dim=64, mask="bool_keypad"), False),
+    (Case(heads_q=4, heads_kv=2, seq_q=77, seq_kv=131, head_dim=96, mask="bool_empty_rows",
+          softcap=3.0), False),
+    (Case(heads_q=8, heads_kv=2, seq_q=600, seq_kv=600, head_dim=64, causal=True), True),
+    (Case(heads_q=4, heads_kv=2, seq_q=150, seq_kv=150, head_dim=256, window=60), False),
+], ids=lambda c: c.name if isinstance(c, Case) else ("documents" if c else "plain"))
+def test_unchecked_loads(case, documents):
+    """BackwardSchedule.unchecked_loads (off in the table): the steps' LSE / Delta rows and
+    tile states loaded without bounds checks from the Delta kernel's rows padded to whole
+    tiles give the checked loads' gradients bitwise (sequence lengths that are not whole
+    tiles, rows that see no key, a key mask's states, a mask_mod's per-row table), on a
+    poisoned allocator, so a padded row read but never written would show."""
+    from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
+
+    mask_mod = None
+    if documents:  # uneven documents: edge steps read their tiles' states
+        lengths = torch.tensor([7, 150, 33, 260, 90, 60])
+        mask_mod = hta.variants.document_mask(
+            torch.repeat_interleave(torch.arange(6), lengths).cuda())
+    default, _ = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_mod=mask_mod)
+    set_backward_schedule(replace(backward_schedule(case.head_dim), unchecked_loads=True))
+    try:
+        poison_allocator(case.batch * case.heads_q * case.seq_q * 256 * 4)
+        got, want = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_mod=mask_mod)
+        for name in default:
+            assert torch.equal(got[name], default[name]), name
+        assert_grads_match(got, want, torch.bfloat16)
+    finally:
+        set_backward_schedule(None)
+
+
 @pytest.mark.parametrize("edge_states, table_order", [(False, False), (False, True),
                                                       (True, True)])
 def test_mask_walk_schedules(edge_states, table_order):
