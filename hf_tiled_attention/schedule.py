@@ -361,7 +361,8 @@ class BackwardSchedule:
             kernel to write those rows padded to whole tiles of every kernel
             (backward_launch.padded_rows; a padded row has LSE +inf and Delta 0, so its
             recomputed probabilities are 0, as a checked load's padding gave). The same
-            gradients, bitwise.
+            gradients, bitwise; 1.08x faster over the standard bf16 sweep on the H200
+            (perf-notes step 43): on by default.
         rows_tile / rows_warps / rows_occupancy: query rows per block of the Delta kernel
             (rowsum(dOut * Out) and the LSE in score units), its warps, and its blocks per SM.
             Without hints the compiler gave it 255 registers and one block per SM: 121 us at
@@ -382,7 +383,7 @@ class BackwardSchedule:
     edge_states: bool = True
     split_head_dim: bool = True
     pdl: bool = False
-    unchecked_loads: bool = False
+    unchecked_loads: bool = True
     rows_tile: int = 64
     rows_warps: int = 4
     rows_occupancy: int = 4
@@ -400,12 +401,12 @@ class BackwardSchedule:
             _check_range(name, getattr(self, name), 1, 32, "BackwardSchedule")
 
 
-# By the padded head dim (the backward pads 80/96/160 to the next power of two); first match.
-# Measured on the H200 (bf16, B=4, 32 query heads; perf-notes step 27): a dK/dV block keeps
-# two fp32 accumulators of its keys x D, and its loop's transposed score tile is keys x
-# queries: at D=128 a 32-row query step beats a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k),
-# the 64-row step spills. dq_add (dQ in the dK/dV block, TMA reduce-adds) measured slower at
-# D=128 and D=256 and within 3% at D=64 causal (perf-notes step 30): off in every row.
+# By head dim (16..256), first row whose limit is at least it. Measured on the H200 (bf16, B=4,
+# 32 query heads; perf-notes step 27): a dK/dV block keeps two fp32 accumulators of its keys x
+# D, and its loop's transposed score tile is keys x queries: at D=128 a 32-row query step beats
+# a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k), the 64-row step spills. dq_add (dQ in the dK/dV
+# block, TMA reduce-adds) measured slower at D=128 and D=256 and within 3% at D=64 causal
+# (perf-notes step 30): off in every row.
 BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,
                           q_warps=4, kv_occupancy=2, q_occupancy=2),
@@ -415,10 +416,14 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
      "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
      "transposing it costs 5-20%"),
-    (256, BackwardSchedule(kv_keys=64, kv_queries=32, q_rows=128, q_keys=32, rows_tile=32),
-     "D=160..256: dK/dV 64 keys x 32-row query steps (64-row steps spill 352-544 B of stack "
-     "at D=160/192/256, 32-row ones 0-24 B: perf-notes step 42) and dQ 128 x 32, two "
-     "warpgroups (dQ: 1.24 ms at B=4, S=2k, 16 heads against 1.46 with 64 x 64 blocks); "
+    (160, BackwardSchedule(kv_keys=64, kv_queries=32, q_rows=128, q_keys=32, rows_tile=32),
+     "D=129..160 (128 + 32): the D=256 row with 32-row dK/dV query steps, which do not spill "
+     "(64-row ones spill 352 B): 14.9 / 7.9 ms at B=4, S=4k, 32/8 (not causal / causal) "
+     "against 17.2 / 9.3 (perf-notes step 43)"),
+    (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32, rows_tile=32),
+     "D=161..256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, "
+     "16 heads against 2.44 / 1.46 with 64 x 64 dQ blocks; 32-row dK/dV query steps spill "
+     "less (24 B at D=192, none at 256, against 472 / 544) but ran 1.05-1.30x slower (step 43); "
      "32-row Delta blocks fit its hints' 64 registers (64 rows took 255)"),
 )
 
@@ -443,8 +448,7 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
     table's."""
     if _backward_override is not None:
         return _backward_override
-    padded = head_dim_tile(head_dim)
     for limit, schedule, _ in BACKWARD_TABLE:
-        if padded <= limit:
+        if head_dim <= limit:
             return schedule
     raise LookupError(f"no backward schedule for head dim {head_dim}")

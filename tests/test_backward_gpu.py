@@ -309,11 +309,11 @@ def test_programmatic_dependent_launches(case):
     (Case(heads_q=4, heads_kv=2, seq_q=150, seq_kv=150, head_dim=256, window=60), False),
 ], ids=lambda c: c.name if isinstance(c, Case) else ("documents" if c else "plain"))
 def test_unchecked_loads(case, documents):
-    """BackwardSchedule.unchecked_loads (off in the table): the steps' LSE / Delta rows and
-    tile states loaded without bounds checks from the Delta kernel's rows padded to whole
-    tiles give the checked loads' gradients bitwise (sequence lengths that are not whole
-    tiles, rows that see no key, a key mask's states, a mask_mod's per-row table), on a
-    poisoned allocator, so a padded row read but never written would show."""
+    """BackwardSchedule.unchecked_loads (on in the table): the steps' LSE / Delta rows and tile
+    states loaded without bounds checks from the Delta kernel's rows padded to whole tiles
+    give the checked loads' gradients bitwise (sequence lengths that are not whole tiles, rows
+    that see no key, a key mask's states, a mask_mod's per-row table), on a poisoned
+    allocator, so a padded row read but never written would show."""
     from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
 
     mask_mod = None
@@ -321,16 +321,20 @@ def test_unchecked_loads(case, documents):
         lengths = torch.tensor([7, 150, 33, 260, 90, 60])
         mask_mod = hta.variants.document_mask(
             torch.repeat_interleave(torch.arange(6), lengths).cuda())
-    default, _ = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_mod=mask_mod)
-    set_backward_schedule(replace(backward_schedule(case.head_dim), unchecked_loads=True))
+    table = backward_schedule(case.head_dim)
+    grads = {}
     try:
-        poison_allocator(case.batch * case.heads_q * case.seq_q * 256 * 4)
-        got, want = op_and_definition_grads(case, "cuda", torch.bfloat16, mask_mod=mask_mod)
-        for name in default:
-            assert torch.equal(got[name], default[name]), name
-        assert_grads_match(got, want, torch.bfloat16)
+        for unchecked in (False, True):
+            set_backward_schedule(replace(table, unchecked_loads=unchecked))
+            poison_allocator(case.batch * case.heads_q * case.seq_q * 256 * 4)
+            grads[unchecked] = op_and_definition_grads(case, "cuda", torch.bfloat16,
+                                                       mask_mod=mask_mod)
     finally:
         set_backward_schedule(None)
+    (checked, _), (got, want) = grads[False], grads[True]
+    for name in checked:
+        assert torch.equal(got[name], checked[name]), name
+    assert_grads_match(got, want, torch.bfloat16)
 
 
 @pytest.mark.parametrize("edge_states, table_order", [(False, False), (False, True),

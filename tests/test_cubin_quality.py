@@ -28,16 +28,17 @@ def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causa
         f"register spills: {info.get('reg')} registers, stack {info.get('stack')} B"
 
 
-# Stack bytes the table's dK/dV schedule may spill per head dim (bf16, causal, GQA, sm_90; perf-
-# notes step 42: 64-row query steps spilled 352-544 B above D=128, 32-row ones 0-24 B).
-BACKWARD_SPILL_ALLOWED = {192: 32}
+# Stack bytes the table's dK/dV schedule may spill per head dim (bf16, causal, GQA, sm_90;
+# perf-notes steps 42-43): above D=160 its 64-row query steps spill about 480 B and still ran
+# 1.05-1.30x faster than the 32-row steps, which spill 0-24 B; at D=160 the 32-row steps won.
+BACKWARD_SPILL_ALLOWED = {192: 512, 256: 512}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 160, 192, 256])
 def test_backward_hopper_kernels_use_wgmma_without_spills(head_dim):
     """The backward's three kernels at their default schedules (bf16, causal, GQA): dK/dV and
-    dQ on warpgroup MMA and within BACKWARD_SPILL_ALLOWED's stack (none but D=192's few
-    bytes); the Delta kernel within the registers its occupancy hint plans for (without the
+    dQ on warpgroup MMA and within BACKWARD_SPILL_ALLOWED's stack (none at D <= 160); the
+    Delta kernel within the registers its occupancy hint plans for (without the
     hint the compiler took 255 and one block per SM: 1.5x slower)."""
     from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
 

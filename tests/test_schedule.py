@@ -82,3 +82,21 @@ def test_head_dims_past_128_take_two_warpgroups_on_128x128(head_dim, causal):
         schedule = resolve_schedule(None, 9, torch.bfloat16, head_dim, causal, seq_q=seq_q,
                                     seq_kv=seq_q)
         assert (schedule.tile_m, schedule.tile_n, schedule.num_worker_warps) == (128, 128, 8)
+
+
+@pytest.mark.parametrize("head_dim, row", [(16, 64), (48, 64), (64, 64), (80, 128), (96, 128),
+                                           (128, 128), (144, 160), (160, 160), (192, 256),
+                                           (256, 256)])
+def test_backward_table_rows_by_head_dim(head_dim, row):
+    """The backward's table is keyed by the head dim itself (not its padded tile): 128 + 32
+    takes the 32-row dK/dV steps that did not spill, 192 and 256 the 64-row steps measured
+    faster (perf-notes step 43); every row loads without bounds checks."""
+    from hf_tiled_attention.schedule import BACKWARD_TABLE, backward_schedule
+
+    want = {limit: schedule for limit, schedule, _ in BACKWARD_TABLE}[row]
+    assert backward_schedule(head_dim) is want
+    assert want.unchecked_loads
+    if row in (160, 256):
+        assert want.kv_queries == (32 if row == 160 else 64)
+    with pytest.raises(LookupError):
+        backward_schedule(257)
