@@ -9,6 +9,7 @@ mods, its block mask), in one process.
     python eval/backward_bench.py --preset variants-4k --backward-schedule edge_states=true,false
     python eval/backward_bench.py --preset head-dims --backward-schedule kv_queries=32
     python eval/backward_bench.py --preset head-dims --head-dims 96 256
+    python eval/backward_bench.py --summary --out FOLDER   # a run's ratios again, from its CSV
 
 ``--backward-schedule FIELD=V1,V2`` (repeatable) adds, beside `tiled` with the table's
 schedule, a `tiled[FIELD=V,...]` row per combination of the values: the point's
@@ -33,7 +34,8 @@ that (FlashAttention's convention: five matmuls against the forward's two). `max
 largest error of dQ, dK or dV against fp32 gradients of the same attention (the package's
 reference path) for the first batch row and the first key/value head's query group, relative
 to that gradient's largest magnitude. Results: eval/results/<gpu>/backward/kernel_sweep.csv,
-environment.json, backward.png. Without a GPU: tiny sizes through the reference path, `tiled`
+environment.json, backward.png; a run ends with tiled's backward against each other backend
+(geomean of their time over tiled's on the points both ran: ``summary``). Without a GPU: tiny sizes through the reference path, `tiled`
 only.
 """
 
@@ -334,6 +336,29 @@ def run_backend(backend: str, base: dict, spec: dict, tensors: tuple, want: tupl
               f"err {row['max_err']}", flush=True)
 
 
+POINT = ("variant", "dtype", "batch", "heads_q", "heads_kv", "seq", "head_dim", "causal")
+
+
+def summary(rows: list[dict], field: str = "ms") -> list[str]:
+    """Lines comparing `tiled`'s backward with each other backend (and `tiled[...]` variant)
+    over the points both ran (status ok): the geometric mean of ``other / tiled`` times (above
+    1: tiled faster) with the lowest and highest point, and how many points."""
+    times: dict = {}
+    for r in rows:
+        if r["pass"] == "bwd" and r["status"] == "ok" and r.get(field):
+            times.setdefault(r["backend"], {})[tuple(str(r[c]) for c in POINT)] = float(r[field])
+    tiled = times.get("tiled", {})
+    lines = []
+    for backend, points in times.items():
+        ratios = [points[p] / tiled[p] for p in points if p in tiled and backend != "tiled"]
+        if ratios:
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            lines.append(f"tiled against {backend}: {geomean:.3f}x geomean of {backend}'s "
+                         f"{field} over tiled's (above 1: tiled faster), {min(ratios):.2f}-"
+                         f"{max(ratios):.2f} over {len(ratios)} points")
+    return lines
+
+
 def plot(rows: list[dict], out_dir: Path) -> Path:
     """Backward TF/s (back to back; useful FLOPs) per point, one bar per backend."""
     import matplotlib
@@ -390,16 +415,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     parser.add_argument("--replot", action="store_true",
                         help="only redraw backward.png from the folder's kernel_sweep.csv")
+    parser.add_argument("--summary", action="store_true",
+                        help="only print the folder's kernel_sweep.csv summary (tiled's "
+                        "backward against each other backend)")
     args = parser.parse_args(argv)
     args.tiled_schedules = schedule_labels(args.backward_schedule)
     if args.tiled_schedules and "tiled" not in args.backends:
         raise SystemExit("backward_bench: --backward-schedule varies tiled's schedule, but "
                          f"--backends {args.backends} leaves tiled out")
-    if args.replot:
+    if args.replot or args.summary:
         import csv
         out_dir = args.out or results_dir() / "backward"
         with open(out_dir / "kernel_sweep.csv") as f:
-            print(f"backward_bench: {plot(list(csv.DictReader(f)), out_dir)}")
+            rows = list(csv.DictReader(f))
+        if args.summary:
+            print("\n".join(summary(rows)))
+        else:
+            print(f"backward_bench: {plot(rows, out_dir)}")
         return 0
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -426,6 +458,7 @@ def main(argv=None) -> int:
                 run_point(point, args, writer)
     path = writer.finish()
     print(f"backward_bench: {path}; plot {plot(writer.rows, out_dir)}")
+    print("\n".join(summary(writer.rows)))
     return 0
 
 

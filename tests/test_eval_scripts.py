@@ -436,6 +436,35 @@ def test_backward_bench_cpu(tmp_path):
     assert (tmp_path / "backward.png").exists()
 
 
+def test_backward_bench_summary(tmp_path, capsys):
+    """The summary a run ends with (and --summary prints from a folder's CSV): per other
+    backend the geomean of its backward time over tiled's on the points both ran, the range,
+    the count; forward rows, rows not ok and points tiled did not run left out."""
+    import csv
+
+    from eval import backward_bench
+
+    def row(backend, seq, ms, status="ok", pass_="bwd"):
+        return dict(variant="none", backend=backend, dtype="bf16", batch=1, heads_q=8,
+                    heads_kv=2, seq=seq, head_dim=64, causal=1, ms=ms, status=status,
+                    **{"pass": pass_})
+    rows = [row("tiled", 1024, 1.0), row("tiled", 4096, 2.0), row("sdpa_cudnn", 1024, 0.8),
+            row("sdpa_cudnn", 4096, 1.0), row("sdpa_cudnn", 16384, 9.0),
+            row("sdpa_flash", 1024, 3.0), row("sdpa_flash", 4096, 0.1, status="wrong"),
+            row("sdpa_flash", 4096, 0.1, pass_="fwd")]
+    lines = backward_bench.summary(rows)
+    assert len(lines) == 2
+    assert lines[0].startswith("tiled against sdpa_cudnn: 0.632x")
+    assert "0.50-0.80 over 2" in lines[0]
+    assert lines[1].startswith("tiled against sdpa_flash: 3.000x") and "over 1 points" in lines[1]
+    with open(tmp_path / "kernel_sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert backward_bench.main(["--summary", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
+
+
 def test_backward_bench_variants_cpu(tmp_path):
     """Every variant's row on the reference path, the learnable ones with their tensors'
     gradients in the backward (the op gives them; a wrong one would fail the run)."""
