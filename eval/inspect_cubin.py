@@ -7,9 +7,16 @@ and `nvdisasm` (on PATH, or from the `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdi
     python eval/inspect_cubin.py                                   # bf16, D=128, sm_90, default schedule
     python eval/inspect_cubin.py --causal --schedule tile_m=128 --schedule num_worker_warps=8
     python eval/inspect_cubin.py --sass > kernel.sass              # the full disassembly
+    python eval/inspect_cubin.py --backward --head-dim 192 --backward-schedule unchecked_loads=false
+
+``--backward`` reads the backward's three kernels (Delta, dK/dV, dQ) at the table's
+BackwardSchedule, with ``--backward-schedule FIELD=VALUE`` replacing fields.
 
 What to look for on Hopper: `HGMMA` (warpgroup MMA) and `UTMALDG` (TMA loads) present, `LDL` /
-`STL` (register spills to local memory) absent, registers <= 255.
+`STL` (register spills to local memory) absent, registers <= 255. Where a kernel spills, the
+spills inside its step loops (`mma_loops`: the innermost loops holding MMAs) are what costs:
+at D=192 the backward's dK/dV kernel with 392 B of stack reloaded 22-26 values per step and
+ran 1.4x slower than with 384 B that reloaded 14-18 (perf-notes step 43).
 """
 
 from __future__ import annotations
@@ -80,17 +87,88 @@ def disassemble(cubin: bytes) -> tuple[str, str]:
     return usage, sass
 
 
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)")
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
+
+
 def report(cubin: bytes) -> dict:
-    """Registers, stack/shared bytes and per-opcode instruction counts of a cubin."""
+    """Registers, stack/shared bytes, per-opcode instruction counts and the innermost MMA
+    loops (:func:`mma_loops`) of a cubin."""
     usage, sass = disassemble(cubin)
     fields = {key.lower(): int(value)
               for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     ops = collections.Counter()
     for line in sass.splitlines():
-        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        match = _INSTRUCTION.match(line)
         if match:
-            ops[match.group(1)] += 1
-    return {**fields, "instructions": sum(ops.values()), "ops": dict(ops)}
+            ops[match.group(2)] += 1
+    return {**fields, "instructions": sum(ops.values()), "ops": dict(ops),
+            "mma_loops": mma_loops(sass)}
+
+
+def mma_loops(sass: str) -> list[dict]:
+    """The innermost loops of a SASS listing that hold tensor-core MMAs (HGMMA / HMMA): a
+    kernel's steps. A loop is a branch back to an earlier label (in the body: not one of the
+    out-of-line waits after the last EXIT); innermost: no other such loop inside it. Per loop, in address order: ``instructions``, ``mma``, ``LDL`` (spill reloads)
+    and ``STL`` (spill stores) between its label and its branch."""
+    listing, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _INSTRUCTION.match(line)
+        if match:
+            address = int(match.group(1), 16)
+            listing.append((address, match.group(2), match.group(3)))
+            labels.update((name, address) for name in pending)
+            pending = []
+    # (after the last EXIT the compiler puts out-of-line waits that branch back into the body)
+    body_end = max((address for address, op, _ in listing if op == "EXIT"), default=1 << 62)
+    spans = set()
+    for address, op, rest in listing:
+        target = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" and address < body_end else None
+        if target and labels.get(target.group(1), address) < address:
+            spans.add((labels[target.group(1)], address))
+    loops = []
+    for lo, hi in sorted(spans):
+        body = collections.Counter(op for address, op, _ in listing if lo <= address <= hi)
+        mma = body["HGMMA"] + body["HMMA"]
+        if mma:
+            loops.append(dict(span=(lo, hi), instructions=sum(body.values()), mma=mma,
+                              LDL=body["LDL"], STL=body["STL"]))
+    return [loop for loop in loops if not any(
+        other is not loop and loop["span"][0] <= other["span"][0]
+        and other["span"][1] <= loop["span"][1] for other in loops)]
+
+
+def backward_cubins(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
+                    head_dim: int = 128, causal: bool = False, heads: tuple[int, int] = (32, 8),
+                    seq: int = 4096, overrides: dict | None = None) -> tuple[bytes, ...]:
+    """The cubins of the backward's three kernels (Delta, dK/dV, dQ) for one call shape, at the
+    table's BackwardSchedule with ``overrides`` replaced."""
+    import dataclasses
+
+    from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
+    from hf_tiled_attention.schedule import backward_schedule
+
+    q = torch.empty(1, heads[0], seq, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(1, heads[1], seq, head_dim, dtype=dtype, device="meta")
+    schedule = dataclasses.replace(backward_schedule(head_dim), **(overrides or {}))
+    plan = backward_plan(dtype, heads[0] // heads[1], head_dim, None, causal, head_dim ** -0.5,
+                         False, None, None, schedule)
+    return export_backward_cubins(plan, q, k, arch=arch)
+
+
+def _print_report(info: dict, name: str = "") -> None:
+    print(f"{name}registers {info.get('reg')}  stack {info.get('stack')} B  shared "
+          f"{info.get('shared')} B  instructions {info['instructions']}")
+    print("  ".join(f"{op} {info['ops'].get(op, 0)}" for op in WATCH))
+    for loop in info["mma_loops"]:
+        print(f"  step loop {loop['span'][0]:#x}-{loop['span'][1]:#x}: {loop['instructions']} "
+              f"instructions, {loop['mma']} MMA, spills: {loop['LDL']} LDL / {loop['STL']} STL")
+    if info["ops"].get("LDL") or info["ops"].get("STL"):
+        print("register spills: LDL/STL present")
 
 
 def main(argv=None) -> int:
@@ -105,23 +183,39 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", action="append", default=[],
                         help="a Schedule field: FIELD=VALUE (repeatable)")
     parser.add_argument("--sass", action="store_true", help="print the full SASS instead")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward's kernels (Delta, dK/dV, dQ) instead of the forward's")
+    parser.add_argument("--backward-schedule", action="append", default=[],
+                        help="with --backward, a BackwardSchedule field: FIELD=VALUE "
+                        "(repeatable)")
     args = parser.parse_args(argv)
+    heads = parse_heads(args.heads)
+    if args.backward:
+        from eval.backward_bench import schedule_labels
+
+        combos = list(schedule_labels(args.backward_schedule).values()) or [{}]
+        if len(combos) != 1:
+            raise SystemExit("--backward-schedule takes one value per field here "
+                             "(FIELD=VALUE)")
+        cubins = backward_cubins(arch=args.arch, dtype=DTYPES[args.dtype],
+                                 head_dim=args.head_dim, causal=args.causal, heads=heads,
+                                 seq=args.seq_q, overrides=combos[0])
+        for name, cubin in zip(("Delta", "dK/dV", "dQ"), cubins):
+            if args.sass:
+                print(f"// {name}\n{disassemble(cubin)[1]}")
+            else:
+                _print_report(report(cubin), f"{name}: ")
+        return 0
     schedules = parse_schedules(args.schedule)
     if len(schedules) != 1:
         raise SystemExit("--schedule takes one value per field here (FIELD=VALUE)")
-    heads = parse_heads(args.heads)
     cubin = compile_cubin(arch=args.arch, dtype=DTYPES[args.dtype], head_dim=args.head_dim,
                           causal=args.causal, heads=heads, seq_q=args.seq_q, seq_kv=args.seq_kv,
                           schedule=schedules[0])
     if args.sass:
         print(disassemble(cubin)[1])
         return 0
-    info = report(cubin)
-    print(f"registers {info.get('reg')}  stack {info.get('stack')} B  shared {info.get('shared')} B"
-          f"  instructions {info['instructions']}")
-    print("  ".join(f"{op} {info['ops'].get(op, 0)}" for op in WATCH))
-    if info["ops"].get("LDL") or info["ops"].get("STL"):
-        print("register spills: LDL/STL present")
+    _print_report(report(cubin))
     return 0
 
 

@@ -651,3 +651,31 @@ def test_context_parallel_cpu(tmp_path):
     assert all("need CUDA" in skipped[("sdpa_cp", p)] for p in ("plain", "packed"))
     env = json.loads((tmp_path / "environment.json").read_text())["context_parallel"]
     assert env["complete"] and env["longest_ok"]["tiny-llama tiled packed"] == 256
+
+
+def test_inspect_cubin_finds_the_step_loops_and_their_spills():
+    """mma_loops: the innermost loops holding MMAs, by their branches back to a label; an
+    outer loop around one, a loop without MMAs and the out-of-line waits after the last EXIT
+    (which branch back into the body) are not step loops."""
+    from eval.inspect_cubin import mma_loops
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDL R2, [R1] ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0030*/                   LDL R3, [R1+0x4] ;
+        /*0040*/                   STL [R1+0x8], R3 ;
+        /*0050*/              @!P0 BRA `(.L_x_2) ;
+        /*0060*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0070*/              @P1 BRA `(.L_x_1) ;
+.L_x_3:
+        /*0080*/                   FADD R5, R5, R6 ;
+        /*0090*/              @P2 BRA `(.L_x_3) ;
+        /*00a0*/                   EXIT ;
+.L_x_4:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380c0], R3 ;
+        /*00c0*/                   BRA `(.L_x_2) ;
+"""
+    assert mma_loops(sass) == [dict(span=(0x20, 0x50), instructions=4, mma=1, LDL=1, STL=1)]
