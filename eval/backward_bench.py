@@ -35,8 +35,8 @@ largest error of dQ, dK or dV against fp32 gradients of the same attention (the 
 reference path) for the first batch row and the first key/value head's query group, relative
 to that gradient's largest magnitude. Results: eval/results/<gpu>/backward/kernel_sweep.csv,
 environment.json, backward.png; a run ends with tiled's backward against each other backend
-(geomean of their time over tiled's on the points both ran: ``summary``). Without a GPU: tiny sizes through the reference path, `tiled`
-only.
+(geomean of their time over tiled's on the points both ran: ``summary``). Without a GPU: tiny
+sizes through the reference path, `tiled` only.
 """
 
 from __future__ import annotations
@@ -367,15 +367,12 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
 
     ok = [r for r in rows if r["status"] == "ok" and r["pass"] == "bwd"]
     field = "gpu_tflops" if any(r.get("gpu_tflops") for r in ok) else "tflops"
-    points = list(dict.fromkeys((r["variant"], r["dtype"], r["batch"], r["heads_q"],
-                                 r["heads_kv"], r["seq"], r["head_dim"], r["causal"])
-                                for r in ok))
+    points = list(dict.fromkeys(tuple(r[c] for c in POINT) for r in ok))
     backends = list(dict.fromkeys(r["backend"] for r in ok))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(points)), 4.5))
     width = 0.8 / max(len(backends), 1)
     for i, backend in enumerate(backends):
-        values = {tuple(r[c] for c in ("variant", "dtype", "batch", "heads_q", "heads_kv",
-                                       "seq", "head_dim", "causal")): float(r[field])
+        values = {tuple(r[c] for c in POINT): float(r[field])
                   for r in ok if r["backend"] == backend}
         ax.bar([j + i * width for j in range(len(points))],
                [values.get(p, 0.0) for p in points], width, label=backend)

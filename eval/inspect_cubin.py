@@ -109,8 +109,9 @@ def report(cubin: bytes) -> dict:
 def mma_loops(sass: str) -> list[dict]:
     """The innermost loops of a SASS listing that hold tensor-core MMAs (HGMMA / HMMA): a
     kernel's steps. A loop is a branch back to an earlier label (in the body: not one of the
-    out-of-line waits after the last EXIT); innermost: no other such loop inside it. Per loop, in address order: ``instructions``, ``mma``, ``LDL`` (spill reloads)
-    and ``STL`` (spill stores) between its label and its branch."""
+    out-of-line waits after the last EXIT); innermost: no other such loop inside it. Per loop,
+    in address order: ``instructions``, ``mma``, ``LDL`` (spill reloads) and ``STL`` (spill
+    stores) between its label and its branch."""
     listing, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -144,7 +145,8 @@ def mma_loops(sass: str) -> list[dict]:
 
 def backward_cubins(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
                     head_dim: int = 128, causal: bool = False, heads: tuple[int, int] = (32, 8),
-                    seq: int = 4096, overrides: dict | None = None) -> tuple[bytes, ...]:
+                    seq: int = 4096, batch: int = 1,
+                    overrides: dict | None = None) -> tuple[bytes, ...]:
     """The cubins of the backward's three kernels (Delta, dK/dV, dQ) for one call shape, at the
     table's BackwardSchedule with ``overrides`` replaced."""
     import dataclasses
@@ -152,8 +154,8 @@ def backward_cubins(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
     from hf_tiled_attention.schedule import backward_schedule
 
-    q = torch.empty(1, heads[0], seq, head_dim, dtype=dtype, device="meta")
-    k = torch.empty(1, heads[1], seq, head_dim, dtype=dtype, device="meta")
+    q = torch.empty(batch, heads[0], seq, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(batch, heads[1], seq, head_dim, dtype=dtype, device="meta")
     schedule = dataclasses.replace(backward_schedule(head_dim), **(overrides or {}))
     plan = backward_plan(dtype, heads[0] // heads[1], head_dim, None, causal, head_dim ** -0.5,
                          False, None, None, schedule)

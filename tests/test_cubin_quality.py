@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("cuda.tile.compilation")
-from eval.inspect_cubin import compile_cubin, report  # noqa: E402
+from eval.inspect_cubin import backward_cubins, compile_cubin, report  # noqa: E402
 
 
 @pytest.mark.parametrize("head_dim, causal, seq_q, heads", [
@@ -40,18 +40,17 @@ def test_backward_hopper_kernels_use_wgmma_without_spills(head_dim):
     dQ on warpgroup MMA and within BACKWARD_SPILL_ALLOWED's stack (none at D <= 160); the
     Delta kernel within the registers its occupancy hint plans for (without the
     hint the compiler took 255 and one block per SM: 1.5x slower)."""
-    from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
+    from hf_tiled_attention.schedule import backward_schedule
 
-    q = torch.empty(4, 32, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(4, 8, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-    plan = backward_plan(torch.bfloat16, 4, head_dim, None, True, head_dim ** -0.5, False, None)
-    rows, kv, dq = (report(cubin) for cubin in export_backward_cubins(plan, q, k, arch="sm_90"))
+    rows, kv, dq = (report(cubin) for cubin in backward_cubins(head_dim=head_dim, causal=True,
+                                                               batch=4))
     for name, info in (("dK/dV", kv), ("dQ", dq)):
         assert info["ops"].get("HGMMA", 0) > 0, f"{name}: no warpgroup MMA"
         allowed = BACKWARD_SPILL_ALLOWED.get(head_dim, 0)
         assert info.get("stack", 0) <= allowed, \
             f"{name}: {info.get('reg')} registers, stack {info.get('stack')} B (allowed {allowed})"
-    budget = 65536 // (plan.schedule.rows_occupancy * plan.schedule.rows_warps * 32)
+    schedule = backward_schedule(head_dim)
+    budget = 65536 // (schedule.rows_occupancy * schedule.rows_warps * 32)
     assert rows["reg"] <= budget and rows.get("stack", 0) == 0, \
         f"Delta kernel: {rows['reg']} registers, stack {rows.get('stack')} B; budget {budget}"
 
@@ -93,17 +92,8 @@ def test_backward_programmatic_dependent_launch_in_the_sass(pdl):
     """BackwardSchedule.pdl: the Delta kernel lets its dependent start (PREEXIT, griddepcontrol
     .launch_dependents), the dK/dV kernel waits (ACQBULK, griddepcontrol.wait) and lets the dQ
     kernel start, the dQ kernel waits; none of it without pdl."""
-    from dataclasses import replace
-
-    from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
-    from hf_tiled_attention.schedule import backward_schedule
-
-    q = torch.empty(2, 8, 1024, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16, device="meta")
-    plan = backward_plan(torch.bfloat16, 4, 128, None, True, 128 ** -0.5, False, None, None,
-                         replace(backward_schedule(128), pdl=pdl))
-    rows, kv, dq = (report(cubin)["ops"] for cubin in export_backward_cubins(plan, q, k,
-                                                                             arch="sm_90"))
+    rows, kv, dq = (report(cubin)["ops"] for cubin in backward_cubins(
+        head_dim=128, causal=True, heads=(8, 2), seq=1024, batch=2, overrides={"pdl": pdl}))
     want = {"rows": (1, 0), "dK/dV": (1, 1), "dQ": (0, 1)}  # (PREEXIT, ACQBULK) with pdl
     for name, ops in (("rows", rows), ("dK/dV", kv), ("dQ", dq)):
         got = (ops.get("PREEXIT", 0), ops.get("ACQBULK", 0))
