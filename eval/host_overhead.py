@@ -13,7 +13,10 @@ Without a GPU, ``--stub-launch`` times the host path alone (on any machine): the
 kernel path on CPU tensors with ``cuda.tile.launch`` a no-op, so every line is Python and torch
 work the host does before the GPU sees a launch (the two ``ct.launch`` calls themselves, about
 10-13 us each on the H200 host, are not in it). Everything but the training row (a forward
-that autograd records, and its backward) is timed under ``torch.no_grad()``:
+that autograd records, and its backward) is timed under ``torch.no_grad()``. The row "tiled,
+model's layers" is the call as a model's second and later layers make it (with the mask its
+mask function made: they repeat the first layer's launch); "transformers tiled" passes no mask,
+which takes the adapter's full path every time:
 
     python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
 
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
         raise SystemExit("host_overhead: needs a CUDA GPU (it times host work against GPU work); "
                          "--stub-launch times the host path alone without one")
     from hf_tiled_attention.transformers_backend import tiled_attention_forward
+    from hf_tiled_attention.transformers_mask import tiled_mask
 
     hq, hkv = parse_heads(args.heads)
     d, scale = args.head_dim, args.head_dim ** -0.5
@@ -122,6 +126,7 @@ def main(argv=None) -> int:
         num_key_value_groups = hq // hkv
 
     layer = Layer().eval()
+    layer_mask = tiled_mask(args.batch, seq_q, args.seq, q_offset=args.seq - seq_q)
     # Training (the one path timed with grad enabled): the forward as autograd records it,
     # and its backward.
     q_grad, k_grad, v_grad = (t.detach().requires_grad_() for t in (q, k, v))
@@ -141,6 +146,10 @@ def main(argv=None) -> int:
         "run_kernel only": lambda: run_kernel(plan, q, k, v, None),
         "transformers tiled": lambda: tiled_attention_forward(layer, q, k, v, None,
                                                               scaling=scale),
+        # As a model's layers call it: with the mask its mask function made for the forward,
+        # whose first layer's launch the others repeat.
+        "tiled, model's layers": lambda: tiled_attention_forward(layer, q, k, v, layer_mask,
+                                                                 scaling=scale),
     }
     if args.stub_launch:
         with stubbed_launch():

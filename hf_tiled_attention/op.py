@@ -16,7 +16,7 @@ import functools
 import math
 import os
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from .checks import check_inputs, check_options, check_sinks
 from .determinism import deterministic
 from .kernel_params import NO_MASK
 from .launch import LaunchPlan, plan_launch, run_kernel
-from .masks import CompactMask, mod_mask, reused_compact_mask
+from .masks import CompactMask, ModMask, mod_mask, reused_compact_mask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, compile_mods, mods_from_key, traced_mods
 from .reference import (empty_output, in_output_layout, reference_attention,
@@ -170,16 +170,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              mods=mods)
         out, lse = with_sinks(out, lse, sinks)
         return out, (lse if return_lse else None)
-    batch, heads_q, seq_q, head_dim = query.shape
-    mask = attn_mask
-    if attn_mask is not None and not isinstance(attn_mask, CompactMask):
-        mask = reused_compact_mask(attn_mask, batch, heads_q, seq_q, key.shape[2])
-    if isinstance(mask, CompactMask) and mask.tensor.device != query.device:
-        raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
-                         f"{mask.tensor.device}")
+    mask = _compacted(attn_mask, query, key)
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if not _unit_stride(query, key, value):
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     schedule = schedule or _NO_OVERRIDES
@@ -197,12 +191,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             None if mods is None else mods.key, [] if mods is None else list(mods.captures),
             False)
         return out, (lse if return_lse else None)
-    captures = () if mods is None else mods.captures
-    # An additive mask that requires grad is an input of the autograd node (its gradient is
-    # the scores'); a bool mask or one autograd does not track is not.
-    trained_mask = mask.tensor if isinstance(mask, CompactMask) and mask.trains else None
-    if torch.is_grad_enabled() and (trained_mask is not None or any(
-            t.requires_grad for t in (query, key, value, *captures))):
+    if _records_autograd(query, key, value, mask, mods):
+        captures = () if mods is None else mods.captures
+        # An additive mask that requires grad is an input of the autograd node (its gradient
+        # is the scores'); a bool mask or one autograd does not track is not.
+        trained_mask = mask.tensor if isinstance(mask, CompactMask) and mask.trains else None
         out, lse = _EagerAttention.apply(query, key, value, mask, mods, (
             causal, float(scale), window or None, softcap or None, int(diag_offset), schedule,
             key_mask_table), trained_mask, *captures)
@@ -212,6 +205,54 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _forward(query, key, value, mask, causal, float(scale), window or None,
                     softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
                     mods)
+
+
+def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: Union[torch.Tensor, CompactMask, None], *, causal: bool,
+                   scale: float, window: Optional[int], softcap: Optional[float],
+                   diag_offset: int, key_mask_table: bool = True,
+                   mods: Optional[CompiledMods] = None) -> Optional[KernelCall]:
+    """The kernel launch that :func:`attention` (no LSE, no sinks, default schedule) makes for
+    an eager inference call of these arguments, worked out and not yet run, for a caller that
+    repeats the call on other tensors of the same shapes, strides, dtypes and device (the
+    transformers adapter: every layer of a decode step). None where such a call takes another
+    route: traced, recorded by autograd, the reference path, or copies to unit stride."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or not _unit_stride(query, key, value)):
+        return None
+    mask = _compacted(attn_mask, query, key)
+    if _records_autograd(query, key, value, mask, mods):
+        return None
+    return _kernel_call(query, key, value, mask, causal, float(scale), window or None,
+                        softcap or None, int(diag_offset), _NO_OVERRIDES, False,
+                        key_mask_table, mods)
+
+
+def _compacted(attn_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[CompactMask]:
+    """The call's mask as a :class:`CompactMask` on the query's device (or None)."""
+    mask = attn_mask
+    if attn_mask is not None and not isinstance(attn_mask, CompactMask):
+        mask = reused_compact_mask(attn_mask, query.shape[0], query.shape[1], query.shape[2],
+                                   key.shape[2])
+    if isinstance(mask, CompactMask) and mask.tensor.device != query.device:
+        raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
+                         f"{mask.tensor.device}")
+    return mask
+
+
+def _unit_stride(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
+def _records_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: Optional[CompactMask], mods: Optional[CompiledMods]) -> bool:
+    """Whether autograd records this eager call: grad mode on and an input that requires grad
+    (the additive mask's too: a bool mask, or one autograd does not track, is no input)."""
+    if not torch.is_grad_enabled():
+        return False
+    captures = () if mods is None else mods.captures
+    return (isinstance(mask, CompactMask) and mask.trains) or any(
+        t.requires_grad for t in (query, key, value, *captures))
 
 
 def _first_order_only(backward_fn: Callable) -> Callable:
@@ -337,21 +378,48 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
     The LSE is None when not ``return_lse`` (the kernel path skips it). ``eager``: False when
     called as the registered op (see :func:`launch.run_kernel`)."""
+    call = _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_offset,
+                        explicit, return_lse, key_mask_table, mods, eager)
+    if call is not None:
+        return call.launch(query, key, value)
     device = query.device
+    if query.numel():
+        _warn_reference_once(device)
     if mods is not None and mods.mask_mod is not None:
         mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                         device, may_keep_device_memory(eager, device))
+    out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
+                                   window=window, softcap=softcap, diag_offset=diag_offset,
+                                   score_mod=None if mods is None else mods.score_mod)
+    return out, (lse if return_lse else None)
+
+
+class KernelCall(NamedTuple):
+    """A call's kernel launch, worked out: its plan, the mask as the kernel reads it, and
+    whether the launch may keep device memory. ``launch`` runs it on a call's tensors."""
+    plan: LaunchPlan
+    mask: Union[CompactMask, ModMask, None]
+    keep: bool
+
+    def launch(self, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return run_kernel(self.plan, query, key, value, self.mask, keep=self.keep)
+
+
+def _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_offset,
+                 explicit, return_lse, key_mask_table, mods, eager=True) -> Optional[KernelCall]:
+    """The call's kernel launch, or None where the reference path runs it (no capable GPU or
+    toolchain, or no element)."""
+    device = query.device
     if query.numel() == 0 or not kernel_available(device):
-        if query.numel():
-            _warn_reference_once(device)
-        out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
-                                       window=window, softcap=softcap, diag_offset=diag_offset,
-                                       score_mod=None if mods is None else mods.score_mod)
-        return out, (lse if return_lse else None)
-    # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
-    # step of a static-cache decode) reuses the first call's.
+        return None
     # (an eager call outside capture launches from the host every time: see launch.py)
     keep = may_keep_device_memory(eager, device)
+    if mods is not None and mods.mask_mod is not None:
+        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                        device, keep)
+    # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
+    # step of a static-cache decode) reuses the first call's.
     memo_key = (query.shape, key.shape, query.dtype, device,
                 None if mask is None else mask.layout, causal, scale, window, softcap,
                 diag_offset, explicit, active_override(), return_lse, key_mask_table,
@@ -361,7 +429,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         plan = _plans.put(memo_key, _plan(query, key, value, mask, causal, scale, window,
                                           softcap, diag_offset, explicit, return_lse,
                                           key_mask_table, mods, keep))
-    return run_kernel(plan, query, key, value, mask, keep=keep)
+    return KernelCall(plan, mask, keep)
 
 
 _plans = Memo("launch plans", 4096)

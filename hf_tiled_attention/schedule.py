@@ -420,8 +420,13 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "D=129..160 (128 + 32): the D=256 row with 32-row dK/dV query steps, which do not spill "
      "(64-row ones spill 352 B): 14.9 / 7.9 ms at B=4, S=4k, 32/8 (not causal / causal) "
      "against 17.2 / 9.3 (perf-notes step 43)"),
+    (192, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32, rows_tile=32,
+                           unchecked_loads=False),
+     "D=161..192: the D=256 row with checked loads: its step loops reload 14-18 spilled values "
+     "instead of 22-26 (perf-notes step 43): 16.2 / 10.1 ms at B=4, S=4k, 32/8 (not causal / "
+     "causal) against 22.3 / 9.1 with unchecked loads"),
     (256, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=128, q_keys=32, rows_tile=32),
-     "D=161..256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, "
+     "D=193..256: dK/dV 64 x 64 and dQ 128 x 32, two warpgroups: 1.99 / 1.24 ms at B=4, S=2k, "
      "16 heads against 2.44 / 1.46 with 64 x 64 dQ blocks; 32-row dK/dV query steps spill "
      "less (24 B at D=192, none at 256, against 472 / 544) but ran 1.05-1.30x slower (step 43); "
      "32-row Delta blocks fit its hints' 64 registers (64 rows took 255)"),

@@ -18,6 +18,7 @@ same-document mask_mod over per-token ids (O(S) memory), under torch.compile too
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -25,8 +26,10 @@ import torch
 from .checks import check_inputs, check_sinks
 from .context_parallel import active_shards, transformers_attention
 from .masks import CompactMask, compact_mask
+from .memo import may_keep_device_memory
 from .mods import CompiledMods, compile_mods, mods_from_key
 from .op import attention as _op_attention
+from .op import inference_call
 from .transformers_mask import TiledMask, tiled_mask
 from .variants import and_masks
 
@@ -63,6 +66,15 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``query`` ``(B, Hq, Sq, D)`` (a strided view is fine),
     ``key``/``value`` ``(B, Hkv, Skv, D)``, unrepeated. Returns ``(out (B, Sq, Hq, D), None)``."""
+    if type(attention_mask) is TiledMask and not torch.is_grad_enabled():
+        # A decode step's layers repeat one call: the first one's launch, kept in the
+        # forward's memo, serves the others (the host time of a layer is the step's time).
+        signature, sources = _repeat_key(module, query, key, value, scaling, dropout, kwargs)
+        repeat = attention_mask._memo.get(signature)
+        if repeat is not None and _same_objects(repeat[0], sources) and \
+                not _config_asks_for_weights(module) and active_shards() is None and \
+                not torch._C._are_functorch_transforms_active():
+            return _in_layer_layout(repeat[1].launch(query, key, value)[0]), None
     if kwargs.get("output_attentions") or _config_asks_for_weights(module):
         raise ValueError("attn_implementation='tiled' does not compute attention weights "
                          "(output_attentions=True). Use attn_implementation='eager' to get them.")
@@ -134,13 +146,50 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if mask is not None:
         mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
     # A per-tile table pays off only when the forward's layers share it (through the memo).
-    out, _ = _op_attention(query, key, value, mask, causal=causal, scale=scaling,
-                           window=window, softcap=kwargs.get("softcap"), diag_offset=diag_offset,
-                           return_lse=False, key_mask_table=memo is not None, mods=mods,
-                           sinks=sinks)
-    # (B, Sq, Hq, D) contiguous, as transformers' own attention functions return it: the op
-    # lays its output out that way in memory, so this is a view, not a copy.
-    return out.transpose(1, 2).contiguous(), None
+    options = dict(causal=causal, scale=scaling, window=window, softcap=kwargs.get("softcap"),
+                   diag_offset=diag_offset, key_mask_table=memo is not None, mods=mods)
+    if memo is not None and sinks is None and mods is None and not torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        call = inference_call(query, key, value, mask, **options)
+        if call is not None:  # the layers that repeat this call launch it directly
+            signature, sources = _repeat_key(module, query, key, value, scaling, dropout,
+                                             kwargs)
+            memo[signature] = (sources, call)
+            return _in_layer_layout(call.launch(query, key, value)[0]), None
+    out, _ = _op_attention(query, key, value, mask, return_lse=False, sinks=sinks, **options)
+    return _in_layer_layout(out), None
+
+
+def _in_layer_layout(out: torch.Tensor) -> torch.Tensor:
+    """(B, Sq, Hq, D) contiguous, as transformers' own attention functions return it: the op
+    lays its output out that way in memory, so this is a view, not a copy."""
+    return out.transpose(1, 2).contiguous()
+
+
+# The kwargs the attention function reads that hold tensors, whose values the call depends on:
+# a call repeats another only with the same objects.
+_TENSOR_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "position_bias", "s_aux",
+                  "sinks", "indices", "block_indices")
+# The other kwargs it reads (flags and sizes), compared by value.
+_VALUE_KWARGS = ("output_attentions", "is_causal", "sliding_window", "softcap")
+
+
+def _repeat_key(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, scaling, dropout, kwargs: dict) -> tuple[tuple, tuple]:
+    """(signature, sources) of a call: a later call in the same forward whose signature
+    (tensor shapes, strides, dtypes, devices, the layer's flags and the value kwargs) is equal
+    and whose tensor kwargs are the same objects makes the same launch."""
+    signature = ("repeat", query.shape, query.stride(), key.shape, key.stride(), value.shape,
+                 value.stride(), query.dtype, key.dtype, value.dtype, query.device, key.device,
+                 value.device, type(query), type(key), type(value), scaling, dropout,
+                 getattr(module, "training", False), getattr(module, "is_causal", True),
+                 may_keep_device_memory(True, query.device),
+                 *map(kwargs.get, _VALUE_KWARGS))
+    return signature, tuple(map(kwargs.get, _TENSOR_KWARGS))
+
+
+def _same_objects(old: tuple, new: tuple) -> bool:
+    return all(map(operator.is_, old, new))
 
 
 def _config_asks_for_weights(module: torch.nn.Module) -> bool:

@@ -373,7 +373,8 @@ def test_host_overhead_stubbed_launches_run_every_path(capsys):
     host_overhead.main(["--stub-launch", "--batch", "1", "--seq-q", "1", "--seq", "128",
                         "--heads", "4/2", "--head-dim", "64"])
     printed = capsys.readouterr().out
-    for row in ("tiled_attention", "training fwd + bwd", "transformers tiled"):
+    for row in ("tiled_attention", "training fwd + bwd", "transformers tiled",
+                "tiled, model's layers"):
         assert row in printed and "launches stubbed" in printed, printed
 
 
@@ -398,7 +399,8 @@ def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
     assert lines[0].startswith("plan: grid (") and "kv_splits 1," not in lines[0]
     timed = {line[:22].strip(): float(line.split("host/call")[1].split()[0]) for line in lines[1:]}
     assert set(timed) == {"tiled_attention", "training fwd + bwd", "torch.ops custom op",
-                          "run_kernel only", "transformers tiled", "launch_arrays only"}
+                          "run_kernel only", "transformers tiled", "tiled, model's layers",
+                          "launch_arrays only"}
     assert all(us > 0 for us in timed.values())
     # The stubs are gone afterwards, and no plan made under them is left for real calls.
     assert ct.launch is launch and not op.kernel_available(torch.device("cpu"))

@@ -1,0 +1,171 @@
+"""The adapter's repeated call: a forward's later layers launch what its first layer's full path
+worked out (op.inference_call, kept in the TiledMask's memo). On the CPU with cuTile's launch
+stubbed (eval/host_overhead.py's stubbed_launch), so each launch's arguments can be compared
+with the full path's."""
+
+import pytest
+import torch
+
+from eval.host_overhead import stubbed_launch
+from hf_tiled_attention import op
+from hf_tiled_attention import transformers_backend as tb
+from hf_tiled_attention.transformers_mask import tiled_mask
+from models import build
+
+B, HQ, HKV, S, D = 2, 8, 2, 96, 64
+
+
+class Layer(torch.nn.Module):
+    """What the attention function reads off a model's attention module."""
+    is_causal = True
+    config = None
+
+
+def _tensors(seed: int, seq_q: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, seq_q, HQ, D, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.bfloat16)
+    return q, k, torch.randn(B, HKV, S, D, generator=g, dtype=torch.bfloat16)
+
+
+def _described(value):
+    """A launch argument as the comparison sees it: a tensor's layout and where its data is
+    (its own storage for the layer's inputs; outputs are new each call), else the value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, tuple):
+        return tuple(_described(v) for v in value)
+    return value
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every stubbed launch's (grid, kernel, args), and the calls the adapter makes to the
+    full op and to inference_call."""
+    import cuda.tile as ct
+
+    seen = {"launch": [], "full": 0, "prepared": 0}
+    with stubbed_launch():
+        monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args, **kw:
+                            seen["launch"].append((grid, kernel, args)))
+        real_full, real_prepared = tb._op_attention, tb.inference_call
+
+        def full(*args, **kwargs):
+            seen["full"] += 1
+            return real_full(*args, **kwargs)
+
+        def prepared(*args, **kwargs):
+            seen["prepared"] += 1
+            return real_prepared(*args, **kwargs)
+        monkeypatch.setattr(tb, "_op_attention", full)
+        monkeypatch.setattr(tb, "inference_call", prepared)
+        yield seen
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_later_layers_launch_what_the_full_path_would(launches, window):
+    """Four layers sharing one TiledMask (decode, left padding): the first takes the full path,
+    the others repeat its launch on their own tensors; the launches equal those of four calls
+    that each take the full path (a fresh mask each), argument for argument."""
+    pad = torch.ones(B, S, dtype=torch.long)
+    pad[0, :5] = 0
+    layer = Layer().eval()
+    layers = [_tensors(seed) for seed in range(4)]
+    kwargs = dict(scaling=D ** -0.5, dropout=0.0, sliding_window=window,
+                  position_ids=torch.full((B, 1), S - 1))
+    with torch.no_grad():
+        shared = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
+        for q, k, v in layers:
+            tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
+        assert launches["prepared"] == 1 and launches["full"] == 0
+        repeated, launches["launch"][:] = list(launches["launch"]), []
+        for q, k, v in layers:
+            fresh = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
+            fresh._memo["off"] = None  # (one more entry: the memo is never looked up twice)
+            tb.tiled_attention_forward(layer, q, k, v, fresh, **kwargs)
+    full = launches["launch"]
+    assert len(repeated) == len(full) == 4
+    for (grid, kernel, args), (grid_f, kernel_f, args_f), (q, k, v) in zip(repeated, full,
+                                                                           layers):
+        assert grid == grid_f and kernel is kernel_f
+        assert _described(args) == _described(args_f)
+        # the layer's own query (a packed view of it), keys and values
+        assert args[0].data_ptr() == q.data_ptr() and args[1] is k and args[2] is v
+        assert args_f[0].data_ptr() == q.data_ptr()
+
+
+@pytest.mark.parametrize("change", ["position_ids", "sliding_window", "module causal", "shape",
+                                    "strides", "grad", "dtype", "scaling"])
+def test_a_different_call_takes_the_full_path(launches, change):
+    """A call that differs from the first in anything the adapter reads does not repeat its
+    launch: it works its own out (inference_call again, or the full op under autograd)."""
+    layer, other = Layer().eval(), Layer().eval()
+    position_ids = torch.full((B, 1), S - 1)
+    q, k, v = _tensors(0)
+    kwargs = dict(scaling=D ** -0.5, dropout=0.0, position_ids=position_ids)
+    with torch.no_grad():
+        mask = tiled_mask(B, 1, S, q_offset=S - 1)
+        tb.tiled_attention_forward(layer, q, k, v, mask, **kwargs)
+        tb.tiled_attention_forward(layer, *_tensors(1), mask, **kwargs)  # repeats
+        assert launches["prepared"] == 1
+        if change == "position_ids":
+            kwargs["position_ids"] = position_ids.clone()
+        elif change == "sliding_window":
+            kwargs["sliding_window"] = 16
+        elif change == "module causal":
+            other.is_causal = False
+            layer = other
+        elif change == "shape":
+            mask = tiled_mask(B, 2, S, q_offset=S - 2)
+            q = _tensors(0, seq_q=2)[0]
+            tb.tiled_attention_forward(layer, q, k, v, mask, **kwargs)
+            assert launches["prepared"] == 2
+            q = q[:, :, :1]  # (a narrower view: the same mask object, another shape)
+        elif change == "strides":
+            q = torch.cat([q.transpose(1, 2), q.transpose(1, 2)], -1)[..., :D].transpose(1, 2)
+        elif change == "dtype":
+            q, k, v = q.half(), k.half(), v.half()
+        elif change == "scaling":
+            kwargs["scaling"] = 0.5
+        if change == "grad":
+            with torch.enable_grad():
+                q.requires_grad_()
+                tb.tiled_attention_forward(layer, q, k, v, mask, **kwargs)
+            assert launches["full"] == 1 and launches["prepared"] == 1
+            return
+        before = launches["prepared"]
+        tb.tiled_attention_forward(layer, q, k, v, mask, **kwargs)
+        assert launches["prepared"] == before + 1 and launches["full"] == 0
+
+
+def test_repeats_still_refuse_what_the_full_path_refuses(launches):
+    """A repeated call is checked like any other for what the adapter cannot do: attention
+    weights asked for in the layer's config."""
+    from transformers import LlamaConfig
+
+    layer = Layer().eval()
+    layer.config = LlamaConfig()
+    q, k, v = _tensors(0)
+    with torch.no_grad():
+        mask = tiled_mask(B, 1, S, q_offset=S - 1)
+        tb.tiled_attention_forward(layer, q, k, v, mask, scaling=0.125)
+        layer.config.output_attentions = True
+        with pytest.raises(ValueError, match="output_attentions"):
+            tb.tiled_attention_forward(layer, q, k, v, mask, scaling=0.125)
+
+
+def test_a_models_decode_step_works_its_launch_out_once(launches):
+    """A whole model's decode step (tiny Llama, dynamic cache): one inference_call for the
+    first layer, one launch per layer, no call through the full op."""
+    from transformers import DynamicCache
+
+    model = build("llama", "tiled")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 100, (2, 9))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)  # the prefill
+        launches["prepared"], launches["full"], launches["launch"][:] = 0, 0, []
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert layers > 1
+    assert (launches["prepared"], launches["full"], len(launches["launch"])) == (1, 0, layers)
