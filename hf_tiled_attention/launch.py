@@ -440,10 +440,12 @@ def _contiguous_strides(shape: tuple) -> tuple:
 class BufferViews(NamedTuple):
     """How a launch views its own buffers, worked out once per plan (per-call host time):
     the shape of the packed ``(B, heads, Sq, pack, D)`` views of the queries and the output, and
-    ``(shape, strides)`` of the LSE's (None unless packed), and of the key splits'
-    ``(S, B * heads, ...)`` LSEs and outputs in one fp32 workspace of ``workspace`` elements
-    (outputs from ``part_offset``; None unless split)."""
+    ``(shape, strides)`` of the output's (its layout is :func:`empty_output`'s) and the LSE's
+    (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
+    one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``; None unless
+    split)."""
     group_rows: Optional[tuple]
+    out_rows: Optional[tuple]
     lse_rows: Optional[tuple]
     part_lse: Optional[tuple]
     part_out: Optional[tuple]
@@ -454,12 +456,14 @@ class BufferViews(NamedTuple):
 @memoize(1024)
 def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
                  g_tile: int, splits: int) -> BufferViews:
-    group_rows = lse_rows = part_lse = part_out = None
+    group_rows = out_rows = lse_rows = part_lse = part_out = None
     rows_shape = (heads_q, seq_q, head_dim)
     if g_tile > 1:
         pack = heads_q // heads_grid
         rows_shape = (heads_grid, seq_q, pack, head_dim)
         group_rows = (batch,) + rows_shape
+        out_rows = (group_rows, _grouped_strides(
+            (seq_q * heads_q * head_dim, head_dim, heads_q * head_dim, 1), pack))
         lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, pack * seq_q, 1, seq_q))
     offset = workspace = 0
     if splits > 1:  # (splits, B * heads, ...): a slice's rows for all heads and batch rows
@@ -469,7 +473,7 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
         workspace = offset + lse_size * head_dim
         part_lse = (out_shape[:-1], _contiguous_strides(out_shape[:-1]))
         part_out = (out_shape, _contiguous_strides(out_shape))
-    return BufferViews(group_rows, lse_rows, part_lse, part_out, offset, workspace)
+    return BufferViews(group_rows, out_rows, lse_rows, part_lse, part_out, offset, workspace)
 
 
 class LaunchArrays(NamedTuple):
@@ -495,7 +499,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows, out_rows = _group_rows(query, views.group_rows), _group_rows(out, views.group_rows)
+        q_rows, out_rows = _group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
@@ -520,10 +524,14 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
 
 def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
     """``(B, Hq, Sq, D)`` seen as ``(B, Hkv, Sq, group, D)``: each kv head's query heads side
-    by side in a row, whatever the tensor's strides (a view, no copy)."""
-    stride, pack = tensor.stride(), shape[3]
-    return tensor.as_strided(shape, (stride[0], pack * stride[1], stride[2], stride[1],
-                                     stride[3]), tensor.storage_offset())
+    by side in a row, whatever the tensor's strides (a view, no copy; as_strided keeps the
+    tensor's storage offset)."""
+    return tensor.as_strided(shape, _grouped_strides(tensor.stride(), shape[3]))
+
+
+def _grouped_strides(stride: tuple, pack: int) -> tuple:
+    """The strides of :func:`_group_rows`'s view of a tensor with these strides."""
+    return (stride[0], pack * stride[1], stride[2], stride[1], stride[3])
 
 
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -170,9 +170,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              mods=mods)
         out, lse = with_sinks(out, lse, sinks)
         return out, (lse if return_lse else None)
-    mask = _compacted(attn_mask, query, key)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+    mask, scale = _compacted(attn_mask, query, key), _scale_or_default(scale, query)
     if not _unit_stride(query, key, value):
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -186,7 +184,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # Mods cross as their generated code's key and their captured tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
             query, key, value, None if mask is None else mask.tensor,
-            NO_MASK if mask is None else mask.kind, causal, float(scale), window or 0,
+            NO_MASK if mask is None else mask.kind, causal, scale, window or 0,
             float(softcap or 0.0), int(diag_offset), schedule.as_list(),
             None if mods is None else mods.key, [] if mods is None else list(mods.captures),
             False)
@@ -197,19 +195,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # is the scores'); a bool mask or one autograd does not track is not.
         trained_mask = mask.tensor if isinstance(mask, CompactMask) and mask.trains else None
         out, lse = _EagerAttention.apply(query, key, value, mask, mods, (
-            causal, float(scale), window or None, softcap or None, int(diag_offset), schedule,
+            causal, scale, window or None, softcap or None, int(diag_offset), schedule,
             key_mask_table), trained_mask, *captures)
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
-    return _forward(query, key, value, mask, causal, float(scale), window or None,
-                    softcap or None, int(diag_offset), schedule, return_lse, key_mask_table,
-                    mods)
+    return _forward(query, key, value, mask, causal, scale, window or None, softcap or None,
+                    int(diag_offset), schedule, return_lse, key_mask_table, mods)
 
 
 def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: Union[torch.Tensor, CompactMask, None], *, causal: bool,
-                   scale: float, window: Optional[int], softcap: Optional[float],
+                   scale: Optional[float], window: Optional[int], softcap: Optional[float],
                    diag_offset: int, key_mask_table: bool = True,
                    mods: Optional[CompiledMods] = None) -> Optional[KernelCall]:
     """The kernel launch that :func:`attention` (no LSE, no sinks, default schedule) makes for
@@ -223,9 +220,9 @@ def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask = _compacted(attn_mask, query, key)
     if _records_autograd(query, key, value, mask, mods):
         return None
-    return _kernel_call(query, key, value, mask, causal, float(scale), window or None,
-                        softcap or None, int(diag_offset), _NO_OVERRIDES, False,
-                        key_mask_table, mods)
+    return _kernel_call(query, key, value, mask, causal, _scale_or_default(scale, query),
+                        window or None, softcap or None, int(diag_offset), _NO_OVERRIDES,
+                        False, key_mask_table, mods)
 
 
 def _compacted(attn_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[CompactMask]:
@@ -238,6 +235,10 @@ def _compacted(attn_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[Co
         raise ValueError(f"attn_mask must be on the query's device ({query.device}), got "
                          f"{mask.tensor.device}")
     return mask
+
+
+def _scale_or_default(scale: Optional[float], query: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
 
 
 def _unit_stride(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -56,22 +56,22 @@ def launches(monkeypatch):
 
         def prepared(*args, **kwargs):
             seen["prepared"] += 1
-            return real_prepared(*args, **kwargs)
+            return None if seen.get("full path only") else real_prepared(*args, **kwargs)
         monkeypatch.setattr(tb, "_op_attention", full)
         monkeypatch.setattr(tb, "inference_call", prepared)
         yield seen
 
 
-@pytest.mark.parametrize("window", [None, 32])
-def test_later_layers_launch_what_the_full_path_would(launches, window):
-    """Four layers sharing one TiledMask (decode, left padding): the first takes the full path,
-    the others repeat its launch on their own tensors; the launches equal those of four calls
-    that each take the full path (a fresh mask each), argument for argument."""
+@pytest.mark.parametrize("window, scaling", [(None, D ** -0.5), (32, None)])
+def test_later_layers_launch_what_the_full_path_would(launches, window, scaling):
+    """Four layers sharing one TiledMask (decode, left padding): the first works the launch
+    out (inference_call), the others repeat it on their own tensors; the launches equal those
+    the op makes for the four calls (the adapter's full path), argument for argument."""
     pad = torch.ones(B, S, dtype=torch.long)
     pad[0, :5] = 0
     layer = Layer().eval()
     layers = [_tensors(seed) for seed in range(4)]
-    kwargs = dict(scaling=D ** -0.5, dropout=0.0, sliding_window=window,
+    kwargs = dict(scaling=scaling, dropout=0.0, sliding_window=window,
                   position_ids=torch.full((B, 1), S - 1))
     with torch.no_grad():
         shared = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
@@ -79,10 +79,11 @@ def test_later_layers_launch_what_the_full_path_would(launches, window):
             tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
         assert launches["prepared"] == 1 and launches["full"] == 0
         repeated, launches["launch"][:] = list(launches["launch"]), []
+        launches["full path only"] = True  # (inference_call declines: the op runs each call)
+        shared = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
         for q, k, v in layers:
-            fresh = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
-            fresh._memo["off"] = None  # (one more entry: the memo is never looked up twice)
-            tb.tiled_attention_forward(layer, q, k, v, fresh, **kwargs)
+            tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
+        assert launches["full"] == 4
     full = launches["launch"]
     assert len(repeated) == len(full) == 4
     for (grid, kernel, args), (grid_f, kernel_f, args_f), (q, k, v) in zip(repeated, full,
