@@ -175,3 +175,17 @@ def test_a_models_decode_step_works_its_launch_out_once(launches, name, kinds):
     full = 0 if kinds else layers
     assert (launches["prepared"], launches["full"]) == (kinds, full)
     assert len(launches["launch"]) >= layers
+
+
+def test_every_kwarg_the_adapter_reads_is_part_of_the_repeat_key():
+    """A kwarg the full path reads but the repeat key leaves out would let a later call repeat
+    a launch made for another value: every ``kwargs.get("...")`` / ``kwargs["..."]`` of the
+    adapter names a kwarg of _VALUE_KWARGS or _TENSOR_KWARGS (or of _UNSUPPORTED_KWARGS)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(tb)
+    read = set(re.findall(r'kwargs(?:\.get\(|\[)"(\w+)"', source))
+    read |= {name for name, _, _ in tb._UNSUPPORTED_KWARGS}
+    assert {"sliding_window", "position_ids", "indices"} <= read  # (the pattern finds them)
+    assert read <= set(tb._VALUE_KWARGS) | set(tb._TENSOR_KWARGS)
