@@ -23,7 +23,7 @@ from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, NO_MASK_GRA
 from .masks import CompactMask, ModMask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
-from .reference import empty_output
+from .reference import empty_output, output_strides
 from .schedule import DECODE_QUERY_ROWS, PACKED_TILE_ROWS, Schedule, head_dim_parts
 from .visibility import key_span
 
@@ -463,7 +463,7 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
         rows_shape = (heads_grid, seq_q, pack, head_dim)
         group_rows = (batch,) + rows_shape
         out_rows = (group_rows, _grouped_strides(
-            (seq_q * heads_q * head_dim, head_dim, heads_q * head_dim, 1), pack))
+            output_strides(batch, heads_q, seq_q, head_dim), pack))
         lse_rows = ((batch,) + rows_shape[:-1], (heads_q * seq_q, pack * seq_q, 1, seq_q))
     offset = workspace = 0
     if splits > 1:  # (splits, B * heads, ...): a slice's rows for all heads and batch rows
@@ -552,8 +552,71 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
 
     with launch_device(device):
-        _launch(ct, stream, plan, arrays)
+        _launch(ct, stream, plan, arrays.attention, arrays.merge)
     return arrays.out, arrays.lse
+
+
+class Relaunch(NamedTuple):
+    """A launch made again on other queries, keys and values with the first one's shapes,
+    strides, dtypes and device, from the same device and stream (a decode step's later layers).
+    Its other arrays (placeholders, mask, tile tables, key-split workspace) are the first
+    launch's, kept (see :func:`launch_arrays`), so a call only allocates its output and views
+    it and the queries as the kernel reads them. The output comes as ``(B, Sq, Hq, D)``
+    contiguous: the layout the op gives it, viewed as a model's layer wants it."""
+    plan: LaunchPlan
+    stream: int
+    device_index: Optional[int]
+    partials: Optional[tuple]      # the key splits' (outputs, LSEs); None: not split
+    attention_tail: tuple          # the attention launch's arrays after its output (and LSE)
+    merge_tail: tuple              # the merge's arrays after the output
+    query_rows: Optional[tuple]    # (shape, strides) of the packed query view; None: unpacked
+    out_rows: tuple                # (shape, strides) of the kernel's view of the output
+    out_shape: tuple               # (B, Sq, Hq, D)
+
+    def launch(self, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> Optional[torch.Tensor]:
+        """The output, or None (nothing launched) when the current device or stream is not
+        the first launch's."""
+        index = self.device_index
+        if torch._C._cuda_getDevice() != index or \
+                torch._C._cuda_getCurrentRawStream(index) != self.stream:
+            return None
+        import cuda.tile as ct
+
+        out = torch.empty(self.out_shape, dtype=query.dtype, device=query.device)
+        out_rows = out.as_strided(*self.out_rows)
+        q_rows = query if self.query_rows is None else query.as_strided(*self.query_rows)
+        if self.partials is None:
+            _launch(ct, self.stream, self.plan, (q_rows, key, value, out_rows)
+                    + self.attention_tail, None)
+        else:
+            _launch(ct, self.stream, self.plan, (q_rows, key, value) + self.partials
+                    + self.attention_tail, self.partials + (out_rows,) + self.merge_tail)
+        return out
+
+
+def repeatable_launch(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, mask: Optional[CompactMask | ModMask]) -> Relaunch:
+    """The :class:`Relaunch` of an eager call that may keep device memory
+    (memo.may_keep_device_memory) and asks for no LSE, its kept arrays made now; it does not
+    launch."""
+    if plan.return_lse:
+        raise ValueError("repeatable_launch: the plan returns an LSE, which a Relaunch does not")
+    device = query.device
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    arrays = launch_arrays(plan, query, key, value, mask, stream)
+    batch, heads, seq, head_dim = query.shape
+    rows = plan.views.group_rows
+    query_rows = None if rows is None else (rows, _grouped_strides(query.stride(), rows[3]))
+    out_rows = plan.views.out_rows or ((batch, heads, seq, head_dim),
+                                       output_strides(batch, heads, seq, head_dim))
+    # (The first call's own tensors are not kept: its output may be large, in a prefill.)
+    if arrays.merge is None:
+        partials, tail, merge_tail = None, arrays.attention[4:], ()
+    else:
+        partials, tail, merge_tail = arrays.merge[:2], arrays.attention[5:], arrays.merge[3:]
+    return Relaunch(plan, stream, device.index, partials, tail, merge_tail, query_rows, out_rows,
+                    (batch, seq, heads, head_dim))
 
 
 _SAME_DEVICE = contextlib.nullcontext()  # (reusable: one object, not one per call)
@@ -568,12 +631,13 @@ def launch_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-def _launch(ct, stream: int, plan: LaunchPlan, arrays: LaunchArrays) -> None:
+def _launch(ct, stream: int, plan: LaunchPlan, attention: tuple,
+            merge: Optional[tuple]) -> None:
+    """The attention kernel's launch on its arrays, and the merge's when the keys are split."""
     _naming_the_mods(plan, ct.launch, stream, plan.grid, plan.kernel,  # compiles once
-                     arrays.attention + plan.trailing_args)
-    if arrays.merge is not None:
-        ct.launch(stream, plan.merge_grid, plan.merge_kernel,
-                  arrays.merge + plan.merge_trailing_args)
+                     attention + plan.trailing_args)
+    if merge is not None:
+        ct.launch(stream, plan.merge_grid, plan.merge_kernel, merge + plan.merge_trailing_args)
 
 
 def _naming_the_mods(plan: LaunchPlan, compiles: Callable, *args, **kwargs):

@@ -24,7 +24,7 @@ from . import autotune
 from .checks import check_inputs, check_options, check_sinks
 from .determinism import deterministic
 from .kernel_params import NO_MASK
-from .launch import LaunchPlan, plan_launch, run_kernel
+from .launch import LaunchPlan, Relaunch, plan_launch, repeatable_launch, run_kernel
 from .masks import CompactMask, ModMask, mod_mask, reused_compact_mask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, compile_mods, mods_from_key, traced_mods
@@ -405,6 +405,15 @@ class KernelCall(NamedTuple):
     def launch(self, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return run_kernel(self.plan, query, key, value, self.mask, keep=self.keep)
+
+    def repeatable(self, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> Optional[Relaunch]:
+        """The launch as a :class:`launch.Relaunch` for calls that repeat it with these
+        tensors' shapes, strides, dtypes and device (its arrays kept), or None where the
+        call may not keep device memory or asks for an LSE."""
+        if not self.keep or self.plan.return_lse:
+            return None
+        return repeatable_launch(self.plan, query, key, value, self.mask)
 
 
 def _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_offset,

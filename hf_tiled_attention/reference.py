@@ -89,11 +89,15 @@ def empty_output(like: torch.Tensor) -> torch.Tensor:
     layout of every output of the op (kernels, reference and fake alike), as SDPA's fused
     kernels return theirs. transformers' ``out.transpose(1, 2)`` is then contiguous with no copy,
     so the tensor the backward keeps is the one the output projection reads, not a second one."""
-    batch, heads, seq, head_dim = like.shape
     # One allocation with those strides (not empty + transpose: a second op on a decode
     # call's host path).
-    return torch.empty_strided(like.shape, (seq * heads * head_dim, head_dim, heads * head_dim, 1),
-                               dtype=like.dtype, device=like.device)
+    return torch.empty_strided(like.shape, output_strides(*like.shape), dtype=like.dtype,
+                               device=like.device)
+
+
+def output_strides(batch: int, heads: int, seq: int, head_dim: int) -> tuple:
+    """The strides of :func:`empty_output`'s ``(B, H, S, D)`` tensor: ``(B, S, H, D)`` in memory."""
+    return (seq * heads * head_dim, head_dim, heads * head_dim, 1)
 
 
 def in_output_layout(tensor: torch.Tensor) -> torch.Tensor:

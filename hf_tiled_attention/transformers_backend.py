@@ -66,15 +66,19 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``query`` ``(B, Hq, Sq, D)`` (a strided view is fine),
     ``key``/``value`` ``(B, Hkv, Skv, D)``, unrepeated. Returns ``(out (B, Sq, Hq, D), None)``."""
-    if type(attention_mask) is TiledMask and not torch.is_grad_enabled():
+    repeat_key = None
+    if type(attention_mask) is TiledMask and not torch.is_grad_enabled() and \
+            not torch.compiler.is_compiling():
         # A decode step's layers repeat one call: the first one's launch, kept in the
         # forward's memo, serves the others (the host time of a layer is the step's time).
-        signature, sources = _repeat_key(module, query, key, value, scaling, dropout, kwargs)
+        # (Not while traced: the lookup reads the stream's capture state, a graph break.)
+        repeat_key = _repeat_key(module, query, key, value, scaling, dropout, kwargs)
+        signature, sources = repeat_key
         repeat = attention_mask._memo.get(signature)
         if repeat is not None and _same_objects(repeat[0], sources) and \
                 not _config_asks_for_weights(module) and active_shards() is None and \
                 not torch._C._are_functorch_transforms_active():
-            return _in_layer_layout(repeat[1].launch(query, key, value)[0]), None
+            return _launched(repeat[1], repeat[2], query, key, value), None
     if kwargs.get("output_attentions") or _config_asks_for_weights(module):
         raise ValueError("attn_implementation='tiled' does not compute attention weights "
                          "(output_attentions=True). Use attn_implementation='eager' to get them.")
@@ -148,16 +152,24 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # A per-tile table pays off only when the forward's layers share it (through the memo).
     options = dict(causal=causal, scale=scaling, window=window, softcap=kwargs.get("softcap"),
                    diag_offset=diag_offset, key_mask_table=memo is not None, mods=mods)
-    if memo is not None and sinks is None and mods is None and not torch.is_grad_enabled() \
-            and not torch.compiler.is_compiling():
+    if repeat_key is not None and memo is not None and sinks is None and mods is None:
         call = inference_call(query, key, value, mask, **options)
         if call is not None:  # the layers that repeat this call launch it directly
-            signature, sources = _repeat_key(module, query, key, value, scaling, dropout,
-                                             kwargs)
-            memo[signature] = (sources, call)
-            return _in_layer_layout(call.launch(query, key, value)[0]), None
+            signature, sources = repeat_key
+            relaunch = call.repeatable(query, key, value)
+            memo[signature] = (sources, call, relaunch)
+            return _launched(call, relaunch, query, key, value), None
     out, _ = _op_attention(query, key, value, mask, return_lse=False, sinks=sinks, **options)
     return _in_layer_layout(out), None
+
+
+def _launched(call, relaunch, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> torch.Tensor:
+    """The output of an inference call's launch (op.KernelCall) in the layer's layout: through
+    its :class:`launch.Relaunch` (the fewest host steps) unless there is none, or the current
+    device or stream is not the one it was made on."""
+    out = None if relaunch is None else relaunch.launch(query, key, value)
+    return _in_layer_layout(call.launch(query, key, value)[0]) if out is None else out
 
 
 def _in_layer_layout(out: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,11 @@ class Layer(torch.nn.Module):
     config = None
 
 
-def _tensors(seed: int, seq_q: int = 1):
+def _tensors(seed: int, seq_q: int = 1, heads_kv: int = HKV, seq: int = S):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, seq_q, HQ, D, generator=g, dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.bfloat16)
-    return q, k, torch.randn(B, HKV, S, D, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(B, heads_kv, seq, D, generator=g, dtype=torch.bfloat16)
+    return q, k, torch.randn(B, heads_kv, seq, D, generator=g, dtype=torch.bfloat16)
 
 
 def _described(value):
@@ -62,37 +62,78 @@ def launches(monkeypatch):
         yield seen
 
 
-@pytest.mark.parametrize("window, scaling", [(None, D ** -0.5), (32, None)])
-def test_later_layers_launch_what_the_full_path_would(launches, window, scaling):
+@pytest.mark.parametrize("window, scaling, heads_kv, seq", [
+    (None, D ** -0.5, HKV, S),  # query heads packed by kv head
+    (32, None, HKV, S),
+    (None, None, HQ, S),        # no GQA: one head per tile
+    (None, None, HKV, 8192)])   # keys split over blocks, then merged (a second launch)
+def test_later_layers_launch_what_the_full_path_would(launches, window, scaling, heads_kv,
+                                                      seq):
     """Four layers sharing one TiledMask (decode, left padding): the first works the launch
     out (inference_call), the others repeat it on their own tensors; the launches equal those
-    the op makes for the four calls (the adapter's full path), argument for argument."""
-    pad = torch.ones(B, S, dtype=torch.long)
+    the op makes for the four calls (the adapter's full path), argument for argument, and each
+    layer's output is the array the kernel (or the merge) writes, in the layer's layout."""
+    pad = torch.ones(B, seq, dtype=torch.long)
     pad[0, :5] = 0
     layer = Layer().eval()
-    layers = [_tensors(seed) for seed in range(4)]
+    layers = [_tensors(seed, heads_kv=heads_kv, seq=seq) for seed in range(4)]
     kwargs = dict(scaling=scaling, dropout=0.0, sliding_window=window,
-                  position_ids=torch.full((B, 1), S - 1))
+                  position_ids=torch.full((B, 1), seq - 1))
     with torch.no_grad():
-        shared = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
-        for q, k, v in layers:
-            tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
+        shared = tiled_mask(B, 1, seq, q_offset=seq - 1, attention_mask=pad)
+        outs = [tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)[0]
+                for q, k, v in layers]
         assert launches["prepared"] == 1 and launches["full"] == 0
         repeated, launches["launch"][:] = list(launches["launch"]), []
         launches["full path only"] = True  # (inference_call declines: the op runs each call)
-        shared = tiled_mask(B, 1, S, q_offset=S - 1, attention_mask=pad)
+        shared = tiled_mask(B, 1, seq, q_offset=seq - 1, attention_mask=pad)
         for q, k, v in layers:
             tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
         assert launches["full"] == 4
     full = launches["launch"]
-    assert len(repeated) == len(full) == 4
-    for (grid, kernel, args), (grid_f, kernel_f, args_f), (q, k, v) in zip(repeated, full,
-                                                                           layers):
+    per_layer = 2 if seq > S else 1
+    assert len(repeated) == len(full) == 4 * per_layer
+    for (grid, kernel, args), (grid_f, kernel_f, args_f) in zip(repeated, full):
         assert grid == grid_f and kernel is kernel_f
         assert _described(args) == _described(args_f)
+    for layer_index, ((q, k, v), out) in enumerate(zip(layers, outs)):
+        first = repeated[layer_index * per_layer]
+        last, last_f = repeated[layer_index * per_layer + per_layer - 1], \
+            full[layer_index * per_layer + per_layer - 1]
         # the layer's own query (a packed view of it), keys and values
+        args, args_f = first[2], full[layer_index * per_layer][2]
         assert args[0].data_ptr() == q.data_ptr() and args[1] is k and args[2] is v
         assert args_f[0].data_ptr() == q.data_ptr()
+        # the output: the attention kernel's (or the merge's) output array, seen as (B, Sq, Hq, D)
+        assert out.shape == (B, 1, HQ, D) and out.is_contiguous()
+        out_arg = last[2][3 if per_layer == 1 else 2]
+        assert out_arg.data_ptr() == out.data_ptr()
+        assert out_arg.stride() == last_f[2][3 if per_layer == 1 else 2].stride()
+    if per_layer == 2:  # the key splits' workspace: one, kept for every layer
+        assert len({launch[2][3].data_ptr() for launch in repeated[::2]}) == 1
+
+
+def test_a_repeat_on_another_stream_is_launched_afresh(launches, monkeypatch):
+    """The kept arrays of a repeated launch (placeholders, key-split workspace) are safe on the
+    stream they were made for only: a layer on another stream takes the op's launch path."""
+    from hf_tiled_attention import launch
+
+    layer = Layer().eval()
+    with torch.no_grad():
+        mask = tiled_mask(B, 1, S, q_offset=S - 1)
+        tb.tiled_attention_forward(layer, *_tensors(0), mask, scaling=0.125)
+        calls = []
+        real = launch.run_kernel
+        monkeypatch.setattr(launch, "run_kernel", lambda *a, **kw: calls.append(1) or real(
+            *a, **kw))
+        monkeypatch.setattr(op, "run_kernel", launch.run_kernel)
+        tb.tiled_attention_forward(layer, *_tensors(1), mask, scaling=0.125)
+        assert calls == [] and len(launches["launch"]) == 2  # the same stream: repeated
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7)
+        out = tb.tiled_attention_forward(layer, *_tensors(2), mask, scaling=0.125)[0]
+        assert calls == [1] and len(launches["launch"]) == 3
+        assert out.shape == (B, 1, HQ, D) and out.is_contiguous()
+        assert launches["prepared"] == 1 and launches["full"] == 0
 
 
 @pytest.mark.parametrize("change", ["position_ids", "sliding_window", "module causal", "shape",
