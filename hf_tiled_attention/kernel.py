@@ -70,6 +70,22 @@ def attention_forward(
 attention_forward_kernel = ct.kernel(attention_forward)
 
 
+def attention_forward_lean(
+    Q, K, V, Out,
+    score_scale: float, softcap_out: float, diag_offset: int, window: int, kv_splits: int,
+    C: ct.Constant,
+):
+    """The entry for a call with no mask, no mods, no LSE and unsplit keys (launch.py's
+    LaunchPlan.lean; most decode calls): cuTile's launch costs host time per array, and such a
+    call would pass four that the constants keep the kernel from reading (Lse, Mask,
+    TileState, TileRange). Its own arrays stand in for them."""
+    _query_tile(Q, K, V, Out, Out, K, K, K, (), score_scale, softcap_out, diag_offset, window,
+                kv_splits, C)
+
+
+attention_forward_lean_kernel = ct.kernel(attention_forward_lean)
+
+
 def _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_scale,
                 softcap_out, diag_offset, window, kv_splits, C):
     """One output tile: query block ``bid(0)`` (a query tile and, with kv_splits > 1, one slice

@@ -118,12 +118,20 @@ class LaunchPlan:
         """What the merge's launch passes after its arrays (a plan that splits its keys)."""
         return (self.kv_splits,) + self.merge
 
+    @functools.cached_property
+    def lean(self) -> bool:
+        """Whether the launch passes the kernel's four-array entry (Q, K, V, Out): no mask, no
+        mods, no LSE, keys not split, so the other arrays would never be read (kernel.py)."""
+        c = self.variant.constants
+        return (self.variant.mods is None and c.MASK_KIND == NO_MASK and not c.WRITE_LSE
+                and self.kv_splits == 1)
+
     # The kernel objects, looked up once per plan (plans are memoised: per-call host time).
     @functools.cached_property
     def kernel(self):
         v = self.variant
         return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps,
-                                 None if v.mods is None else v.mods.module)
+                                 None if v.mods is None else v.mods.module, self.lean)
 
     @functools.cached_property
     def merge_kernel(self):
@@ -295,10 +303,15 @@ def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
 
 @memoize(256)
 def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int],
-                      mods_module=None):
+                      mods_module=None, lean: bool = False):
     """The kernel object for one set of compiler hints (each keeps its own JIT cache), and with
-    a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod."""
+    a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod; ``lean``:
+    the four-array entry (LaunchPlan.lean)."""
+    if lean and mods_module is not None:
+        raise ValueError("kernel_with_hints: the four-array entry has no mods")
     kernel = _attention_kernel(mods_module)
+    if lean:
+        from .kernel import attention_forward_lean_kernel as kernel
     hints = dict(occupancy=occupancy, num_ctas=num_ctas)
     if num_worker_warps is not None:
         hints["num_worker_warps"] = num_worker_warps
@@ -502,6 +515,8 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         q_rows, out_rows = _group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
+    if plan.lean:
+        return LaunchArrays((q_rows, key, value, out_rows), None, out, None)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
     if lse_rows is None:
         lse_rows = unused.lse
@@ -685,13 +700,14 @@ def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                                        TupleConstraint)
 
     arrays = launch_arrays(plan, query, key, key, mask)
-    *plain, captures = arrays.attention
-    # The captures tuple needs the calling convention that has tuple parameters (v2).
+    *plain, captures = arrays.attention if not plan.lean else arrays.attention + (None,)
+    params = [array_constraint(a) for a in plain]
+    if captures is not None:
+        # The captures tuple needs the calling convention that has tuple parameters (v2).
+        params.append(TupleConstraint([array_constraint(a) for a in captures]))
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
-    attention = KernelSignature([array_constraint(a) for a in plain]
-                                + [TupleConstraint([array_constraint(a) for a in captures])]
-                                + scalars + [plan.variant.constant_values],
+    attention = KernelSignature(params + scalars + [plan.variant.constant_values],
                                 CallingConvention.cutile_python_v2())
     merge = None
     if arrays.merge is not None:
