@@ -23,8 +23,8 @@ run (the two opt-in additions below use TMA reduce-adds):
 The dK/dV kernel can also add, with TMA reduce-adds (``TiledView.atomic_store_add``, one
 bulk ``UTMAREDG`` per tile): an additive mask's gradient, the scores' gradient itself
 (``MASK_GRAD``; backward_launch.mask_grad_buffer says into what), and with ``DQ_ADD`` dQ into
-an fp32 array, the dQ kernel then not launched (FlashAttention-3's layout; off in the default
-schedules, measured slower: perf-notes step 30).
+an fp32 array, the dQ kernel then not launched (FlashAttention-3's layout; the fast mode's
+default at head dims up to 64, where it measured faster: perf-notes step 46).
 
 Both read the constants as the forward does (one ``kernel_params.AttentionConstants`` tuple;
 TILE_M is the query tile, TILE_N the key tile; a head dim of two powers of two, 96 = 64 + 32,
@@ -193,8 +193,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
         ds = ds.astype(Q.dtype)
         dk = _accumulate(ds, q, dk, C)
         if C[P.DQ_ADD]:
-            dq = _accumulate(ct.transpose(ds), k, _zero_parts(TILE_M, C), C)
-            _add_parts(dQAdd, batch, head, i, dq, grad_scale, TILE_M, C)
+            _add_parts(dQAdd, batch, head, i, _dq_of_step(k, ds, C), grad_scale, TILE_M, C)
     return dk, dv
 
 
@@ -373,6 +372,19 @@ def _accumulate(a, b, acc, C):
     main = mma(a, b[0], acc[0])
     if C[P.TAIL_D] != 0:
         return main, mma(a, b[1], acc[1])
+    return (main,)
+
+
+def _dq_of_step(k, ds, C):
+    """A dK/dV step's share of dQ (query rows x D, in parts) from its transposed ``ds`` (keys x
+    queries, the MMA's dtype) as ``(K^T dS^T)^T``: the product's rows are the head dim, so the
+    warpgroup MMA gets M = D rather than a step's 16-64 query rows (``dS K`` takes thin
+    register MMAs and spills at D=128)."""
+    main = ct.transpose(mma(ct.transpose(k[0]), ds,
+                            ct.full((C[P.TILE_D], C[P.TILE_M]), 0.0, dtype=ct.float32)))
+    if C[P.TAIL_D] != 0:
+        return main, ct.transpose(mma(ct.transpose(k[1]), ds, ct.full(
+            (C[P.TAIL_D], C[P.TILE_M]), 0.0, dtype=ct.float32)))
     return (main,)
 
 

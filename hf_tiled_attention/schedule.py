@@ -85,7 +85,8 @@ class Schedule:
             raise ValueError(f"Schedule.pack_tile_m must be one of {PACKED_TILE_ROWS}, got "
                              f"{self.pack_tile_m!r}")
         if self.num_ctas is not None and self.num_ctas not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got {self.num_ctas!r}")
+            raise ValueError(f"Schedule.num_ctas must be one of 1, 2, 4, 8, 16, got "
+                             f"{self.num_ctas!r}")
         if self.num_worker_warps is not None and self.num_worker_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError("Schedule.num_worker_warps must be a power of two from 1 to 32 "
                              f"(4 or 8 with tileiras 13.4), got {self.num_worker_warps!r}")
@@ -331,9 +332,11 @@ class BackwardSchedule:
         load_transposed: a tile needed as a transposed MMA operand (Q and dOut in the dK/dV
             kernel, K and V in the dQ kernel) is loaded a second time, transposed, instead of
             transposed in registers.
-        dq_add: the dK/dV kernel also makes dQ (one more MMA per step) and adds it into an
-            fp32 array with TMA reduce-adds, and the dQ kernel is not launched; taken only when
-            the backward need not be deterministic (determinism.deterministic()).
+        dq_add: the dK/dV kernel also makes dQ (one more MMA per step, ``(K^T dS^T)^T``) and
+            adds it into an fp32 array with TMA reduce-adds, and the dQ kernel is not launched
+            (the fast mode: the order of the adds, and so dQ's last bits, vary run to run);
+            taken only when the backward need not be deterministic
+            (determinism.deterministic()), else the dQ kernel runs as without it.
         table_order: with a mask that has a row per query, the blocks of both kernels take
             their tiles (key tiles in dK/dV, query tiles in dQ) in the order of the block
             table's walk lengths, longest first (kernel_params.RANGE_ORDER), instead of grid
@@ -405,13 +408,16 @@ class BackwardSchedule:
 # 32 query heads; perf-notes step 27): a dK/dV block keeps two fp32 accumulators of its keys x
 # D, and its loop's transposed score tile is keys x queries: at D=128 a 32-row query step beats
 # a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k), the 64-row step spills. dq_add (dQ in the dK/dV
-# block, TMA reduce-adds) measured slower at D=128 and D=256 and within 3% at D=64 causal
-# (perf-notes step 30): off in every row.
+# block as (K^T dS^T)^T, TMA reduce-adds; the fast mode, not taken when the backward must be
+# deterministic) is on where it measured faster: D <= 64, 1.03-1.19x (perf-notes step 46);
+# at D=128 it measured 0.95-0.97x at its best tiles (128 keys x 64 rows) and 0.74-0.80x at
+# the table's, so the two-kernel dQ pass stays there.
 BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,
-                          q_warps=4, kv_occupancy=2, q_occupancy=2),
+                          q_warps=4, kv_occupancy=2, q_occupancy=2, dq_add=True),
      "one warpgroup, two blocks per SM for both kernels: 276 / 268 TF/s (causal / not) at "
-     "D=64, S=4k; 128-key dK/dV blocks lose 10-20%"),
+     "D=64, S=4k; 128-key dK/dV blocks lose 10-20%. dQ added by the dK/dV kernel (fast "
+     "mode): 2.39 / 4.29 ms at B=4, S=4k, 32/32 against 2.58 / 5.03 (perf-notes step 46)"),
     (128, BackwardSchedule(kv_keys=128, kv_queries=32, q_rows=128, q_keys=64),
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
      "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "

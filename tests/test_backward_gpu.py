@@ -263,8 +263,9 @@ def test_compiled_training_step_on_the_gpu():
     Case(heads_q=8, heads_kv=2, causal=True, seq_q=200, seq_kv=200, head_dim=96),  # two parts
 ], ids=lambda c: c.name)
 def test_dq_added_in_the_kv_kernel(case):
-    """BackwardSchedule.dq_add (off in the table: slower, perf-notes step 30): dQ made in the
-    dK/dV kernel and added by TMA reduce-adds into fp32, no dQ kernel; with a mask gradient."""
+    """BackwardSchedule.dq_add (the fast mode's default up to D=64, which the case matrix runs;
+    here at D=96 and 128 too, on other tiles): dQ made in the dK/dV kernel and added by TMA
+    reduce-adds into fp32, no dQ kernel; with a mask gradient."""
     from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
 
     set_backward_schedule(replace(backward_schedule(case.head_dim), dq_add=True, kv_keys=64,
@@ -281,10 +282,11 @@ def test_dq_added_in_the_kv_kernel(case):
     Case(heads_q=8, heads_kv=2, causal=True, seq_q=300, seq_kv=300, head_dim=128),
     Case(heads_q=4, heads_kv=4, seq_q=130, seq_kv=200, head_dim=64, mask="bool_keypad"),
 ], ids=lambda c: c.name)
-def test_programmatic_dependent_launches(case):
+def test_programmatic_dependent_launches(case, deterministic):
     """BackwardSchedule.pdl (off in the table): the dK/dV and dQ kernels launched as
     programmatic dependents, waiting for the rows kernel's output only where they read it,
-    give the default launches' gradients bitwise, run after run."""
+    give the default launches' gradients bitwise, run after run (in deterministic mode: the
+    fast mode's dQ adds, taken at D=64, add in any order)."""
     from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
 
     default, _ = op_and_definition_grads(case, "cuda", torch.bfloat16)
@@ -308,12 +310,13 @@ def test_programmatic_dependent_launches(case):
     (Case(heads_q=8, heads_kv=2, seq_q=600, seq_kv=600, head_dim=64, causal=True), True),
     (Case(heads_q=4, heads_kv=2, seq_q=150, seq_kv=150, head_dim=256, window=60), False),
 ], ids=lambda c: c.name if isinstance(c, Case) else ("documents" if c else "plain"))
-def test_unchecked_loads(case, documents):
+def test_unchecked_loads(case, documents, deterministic):
     """BackwardSchedule.unchecked_loads (on in the table): the steps' LSE / Delta rows and tile
     states loaded without bounds checks from the Delta kernel's rows padded to whole tiles
     give the checked loads' gradients bitwise (sequence lengths that are not whole tiles, rows
     that see no key, a key mask's states, a mask_mod's per-row table), on a poisoned
-    allocator, so a padded row read but never written would show."""
+    allocator, so a padded row read but never written would show (deterministic mode, so
+    that the D=64 rows' dQ comes from its own kernel, bitwise)."""
     from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
 
     mask_mod = None

@@ -101,3 +101,20 @@ def test_backward_table_rows_by_head_dim(head_dim, row):
         assert want.kv_queries == (32 if row == 160 else 64)
     with pytest.raises(LookupError):
         backward_schedule(257)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dq_added_by_the_kv_kernel_only_in_the_fast_mode_up_to_d64(head_dim, deterministic):
+    """The table's rows up to D=64 make dQ in the dK/dV kernel (measured faster there,
+    perf-notes step 46), but only when the backward need not be deterministic; the deterministic
+    mode and the larger head dims launch the dQ kernel."""
+    from hf_tiled_attention.backward_launch import backward_plan
+    from hf_tiled_attention.schedule import backward_schedule
+
+    schedule = backward_schedule(head_dim)
+    assert schedule.dq_add is (head_dim <= 64)
+    plan = backward_plan(torch.bfloat16, 4, head_dim, None, True, head_dim ** -0.5, False,
+                         None, None, schedule, False, deterministic)
+    assert plan.kv.DQ_ADD is (head_dim <= 64 and not deterministic)
+    assert not plan.q.DQ_ADD
