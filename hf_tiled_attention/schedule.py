@@ -351,7 +351,8 @@ class BackwardSchedule:
             such step without reading the state (False: no load in the step's critical path and
             no data-dependent branch around its loads and MMAs; an empty tile inside the walked
             range, which the table's jumped gap does not cover, is then computed and contributes
-            exactly 0).
+            exactly 0). False in the table's D=128 row, where it measured faster with
+            documents and windows (perf-notes step 46).
         pdl: the dK/dV and dQ kernels are launched as programmatic dependents (cuTile's
             ``programmatic_dependent_launch``): their blocks start as the kernel before them
             ends, load their K/V (Q/dOut) tiles and wait for it (``grid_dependency_control_wait``)
@@ -418,10 +419,13 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
      "one warpgroup, two blocks per SM for both kernels: 276 / 268 TF/s (causal / not) at "
      "D=64, S=4k; 128-key dK/dV blocks lose 10-20%. dQ added by the dK/dV kernel (fast "
      "mode): 2.39 / 4.29 ms at B=4, S=4k, 32/32 against 2.58 / 5.03 (perf-notes step 46)"),
-    (128, BackwardSchedule(kv_keys=128, kv_queries=32, q_rows=128, q_keys=64),
+    (128, BackwardSchedule(kv_keys=128, kv_queries=32, q_rows=128, q_keys=64,
+                           edge_states=False),
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
      "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
-     "transposing it costs 5-20%"),
+     "transposing it costs 5-20%. A mask's edge steps without their tile states: documents "
+     "1.49 against 1.86 ms, a 1024-key window 2.03 against 2.18 (B=4, S=4k, 32/8; perf-notes "
+     "step 46)"),
     (160, BackwardSchedule(kv_keys=64, kv_queries=32, q_rows=128, q_keys=32, rows_tile=32),
      "D=129..160 (128 + 32): the D=256 row with 32-row dK/dV query steps, which do not spill "
      "(64-row ones spill 352 B): 14.9 / 7.9 ms at B=4, S=4k, 32/8 (not causal / causal) "

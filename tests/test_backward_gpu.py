@@ -343,7 +343,8 @@ def test_unchecked_loads(case, documents, deterministic):
 @pytest.mark.parametrize("edge_states, table_order", [(False, False), (False, True),
                                                       (True, True)])
 def test_mask_walk_schedules(edge_states, table_order):
-    """BackwardSchedule.edge_states / table_order (the table's defaults: True, False) on
+    """BackwardSchedule.edge_states / table_order (the table's D=64 row: True, False; the
+    D=128 row, which the case matrix runs, has edge_states False) on
     uneven documents and on striped rows and keys, whose walks hold empty tiles besides the
     one gap the table jumps (computed, contributing 0, without edge_states)."""
     from hf_tiled_attention.schedule import backward_schedule, set_backward_schedule
