@@ -411,7 +411,7 @@ class BackwardSchedule:
 # a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k), the 64-row step spills. dq_add (dQ in the dK/dV
 # block as (K^T dS^T)^T, TMA reduce-adds; the fast mode, not taken when the backward must be
 # deterministic) is on where it measured faster: D <= 64, 1.03-1.19x (perf-notes step 46);
-# at D=128 it measured 0.95-0.97x at its best tiles (128 keys x 64 rows) and 0.74-0.80x at
+# at D=128 it measured 0.86-1.03x at its best tiles (128 keys x 64 rows) and 0.70-0.81x at
 # the table's, so the two-kernel dQ pass stays there.
 BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,

@@ -48,45 +48,52 @@ def bench(fn, reps=20):
         a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
     ts.sort(); return ts[len(ts) // 2]
 
-mode = sys.argv[1]
-if mode == "compile":  # one (d, config, causal) per process: fills cuTile's disk cache
-    d, name, causal = int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-    use(d, name)
-    q, k, v, do = inputs(d, 1, 256, 4, 2 if d == 128 else 4)
-    out = hta.tiled_attention(q, k, v, is_causal=causal)
-    torch.autograd.grad(out, (q, k, v), do)
-    torch.cuda.synchronize(); print("compiled", d, name, causal, flush=True)
-    sys.exit(0)
-
-results = []
-for d, b, s, hq, hkv, causal in POINTS:
-    q, k, v, do = inputs(d, b, s, hq, hkv)
-    pairs = b * hq * (s * (s + 1) / 2 if causal else s * s)
-    flops = 2.5 * 4 * pairs * d
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    row = dict(d=d, b=b, s=s, heads=f"{hq}/{hkv}", causal=causal)
-    for backend, kind in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(kind):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
-            g = torch.empty_like(out).copy_(do)
-            row[backend] = bench(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
-            if backend == "cudnn": ref = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-        except Exception as e:
-            row[backend] = None; print(backend, "failed", e)
-    for name in CONFIGS[d]:
+def main(argv):
+    """``compile D CONFIG CAUSAL`` or ``time OUT.json`` (the docstring's two modes), with
+    this module's CONFIGS and POINTS (another script may replace them first)."""
+    mode = argv[0]
+    if mode == "compile":  # one (d, config, causal) per process: fills cuTile's disk cache
+        d, name, causal = int(argv[1]), argv[2], argv[3] == "1"
         use(d, name)
+        q, k, v, do = inputs(d, 1, 256, 4, 2 if d == 128 else 4)
         out = hta.tiled_attention(q, k, v, is_causal=causal)
-        g = torch.empty_like(out).copy_(do)
-        grads = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-        err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(grads, ref))
-        row[name] = bench(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
-        row[name + "_err"] = round(err, 4)
-    best = min(row[n] for n in CONFIGS[d])
-    row["det_vs_cudnn"] = round(row["cudnn"] / row["det"], 3) if row.get("cudnn") else None
-    row["best_vs_cudnn"] = round(row["cudnn"] / best, 3) if row.get("cudnn") else None
-    print(json.dumps(row), flush=True)
-    results.append(row)
-    del q, k, v, do, out, g, grads
-hta.set_deterministic(None)
-json.dump(results, open(sys.argv[2], "w"), indent=1)
+        torch.autograd.grad(out, (q, k, v), do)
+        torch.cuda.synchronize(); print("compiled", d, name, causal, flush=True)
+        return
+
+    results = []
+    for d, b, s, hq, hkv, causal in POINTS:
+        q, k, v, do = inputs(d, b, s, hq, hkv)
+        pairs = b * hq * (s * (s + 1) / 2 if causal else s * s)
+        flops = 2.5 * 4 * pairs * d
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        row = dict(d=d, b=b, s=s, heads=f"{hq}/{hkv}", causal=causal)
+        for backend, kind in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(kind):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+                g = torch.empty_like(out).copy_(do)
+                row[backend] = bench(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
+                if backend == "cudnn": ref = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+            except Exception as e:
+                row[backend] = None; print(backend, "failed", e)
+        for name in CONFIGS[d]:
+            use(d, name)
+            out = hta.tiled_attention(q, k, v, is_causal=causal)
+            g = torch.empty_like(out).copy_(do)
+            grads = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+            err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(grads, ref))
+            row[name] = bench(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
+            row[name + "_err"] = round(err, 4)
+        best = min(row[n] for n in CONFIGS[d])
+        row["det_vs_cudnn"] = round(row["cudnn"] / row["det"], 3) if row.get("cudnn") else None
+        row["best_vs_cudnn"] = round(row["cudnn"] / best, 3) if row.get("cudnn") else None
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        del q, k, v, do, out, g, grads
+    hta.set_deterministic(None)
+    json.dump(results, open(argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
