@@ -8,8 +8,9 @@ query tile i, with ``P = exp(S - lse)`` recomputed from the scores ``S``:
     dV_j += P^T dOut_i        dP = dOut_i V_j^T        dS = P * (dP - Delta_i) * dS/dscore
     dK_j += dS^T Q_i * scale  dQ_i += dS K_j * scale
 
-Two kernels, neither with atomics by default, so the gradients are bitwise reproducible run to
-run (the two opt-in additions below use TMA reduce-adds):
+Two kernels without atomics, so the gradients are bitwise reproducible run to run (the
+deterministic mode; the additions below use TMA reduce-adds, and the fast mode takes ``DQ_ADD``
+where the schedule table says so):
 
 * :func:`attention_backward_kv`: a block per (key tile, kv head, batch row) holds dK and dV in
   fp32 and walks every query head of its group and the query tiles that see the key tile
