@@ -8,13 +8,16 @@ mods, its block mask), in one process.
     python eval/backward_bench.py --preset variants-4k --variants alibi-learnable
     python eval/backward_bench.py --preset variants-4k --backward-schedule edge_states=true,false
     python eval/backward_bench.py --preset head-dims --backward-schedule kv_queries=32
+    python eval/backward_bench.py --preset standard --dtype bf16 --deterministic-row
     python eval/backward_bench.py --preset head-dims --head-dims 96 256
     python eval/backward_bench.py --summary --out FOLDER   # a run's ratios again, from its CSV
 
 ``--backward-schedule FIELD=V1,V2`` (repeatable) adds, beside `tiled` with the table's
 schedule, a `tiled[FIELD=V,...]` row per combination of the values: the point's
 `schedule.BACKWARD_TABLE` row with those fields replaced (`BackwardSchedule`'s fields), timed in
-the same process.
+the same process. `tiled` runs the backward's default (fast) mode; ``--deterministic-row`` adds
+`tiled[deterministic]`, the bitwise-reproducible mode (`hta.set_deterministic(True)`: dQ by its
+own kernel where the table's row has `dq_add`).
 
 Presets: ``standard`` (B*S = 16k tokens at S 1k/4k/16k, 32/8 heads at D=128 and 32/32 at D=64,
 causal and not, bf16 and fp16; against cuDNN and FA2: FlexAttention, compiled afresh per point,
@@ -244,12 +247,24 @@ def _field_value(name: str, text: str):
         raise SystemExit(f"--backward-schedule {name} expects an integer, got {text!r}") from None
 
 
+# The label of tiled's row in deterministic mode (--deterministic-row) and its "overrides".
+DETERMINISTIC = "tiled[deterministic]"
+
+
 @contextlib.contextmanager
 def tiled_schedule(overrides: dict | None, head_dim: int):
     """The backward runs the table's schedule for ``head_dim`` with ``overrides`` replaced
-    (nothing changed without overrides)."""
+    (nothing changed without overrides); ``{"deterministic": True}``: the table's schedule in
+    deterministic mode (hta.set_deterministic), which runs no dQ reduce-adds."""
     if not overrides:
         yield
+        return
+    if overrides == {"deterministic": True}:
+        hta.set_deterministic(True)
+        try:
+            yield
+        finally:
+            hta.set_deterministic(None)
         return
     set_backward_schedule(dataclasses.replace(backward_schedule(head_dim), **overrides))
     try:
@@ -405,6 +420,10 @@ def main(argv=None) -> int:
                         metavar="FIELD=V1,V2", help="also time tiled with the table's "
                         "BackwardSchedule with these fields replaced (repeatable: the cross "
                         "product)")
+    parser.add_argument("--deterministic-row", action="store_true",
+                        help=f"also time tiled in deterministic mode ({DETERMINISTIC}: "
+                        "bitwise reproducible gradients, no dQ reduce-adds); the `tiled` rows "
+                        "run the default (fast) mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cpu-seq", type=int, default=96,
@@ -417,9 +436,11 @@ def main(argv=None) -> int:
                         "backward against each other backend)")
     args = parser.parse_args(argv)
     args.tiled_schedules = schedule_labels(args.backward_schedule)
+    if args.deterministic_row:
+        args.tiled_schedules[DETERMINISTIC] = {"deterministic": True}
     if args.tiled_schedules and "tiled" not in args.backends:
-        raise SystemExit("backward_bench: --backward-schedule varies tiled's schedule, but "
-                         f"--backends {args.backends} leaves tiled out")
+        raise SystemExit("backward_bench: --backward-schedule / --deterministic-row vary "
+                         f"tiled's backward, but --backends {args.backends} leaves tiled out")
     if args.replot or args.summary:
         import csv
         out_dir = args.out or results_dir() / "backward"

@@ -524,6 +524,25 @@ def test_backward_bench_times_other_backward_schedules_beside_the_table(tmp_path
             backward_bench.main(bad + ["--out", str(tmp_path)])
 
 
+def test_backward_bench_times_the_deterministic_mode_beside_the_fast_one(tmp_path):
+    import hf_tiled_attention as hta
+    from eval import backward_bench
+    assert backward_bench.main(["--preset", "standard", "--dtype", "bf16", "--head-dims", "64",
+                                "--backends", "tiled", "--deterministic-row", "--cpu-seq", "32",
+                                "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "kernel_sweep.csv")
+    backends = [r["backend"] for r in rows if r["pass"] == "bwd"]
+    assert backends == ["tiled", "tiled[deterministic]"] * (len(backends) // 2) and backends
+    assert all(r["status"] == "ok" for r in rows)
+    assert not hta.deterministic()
+    with backward_bench.tiled_schedule({"deterministic": True}, 64):
+        assert hta.deterministic()
+    assert not hta.deterministic()
+    with pytest.raises(SystemExit, match="leaves tiled out"):
+        backward_bench.main(["--deterministic-row", "--backends", "flex", "--out",
+                             str(tmp_path)])
+
+
 def test_backward_bench_says_which_variants_are_causal():
     """The variants hold their causal rule in their mods: the causal column reads it there
     (prefix-LM's prefix sees later keys)."""
