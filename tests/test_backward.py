@@ -283,14 +283,17 @@ def test_mask_gradient_under_torch_compile():
     torch.testing.assert_close(leaf.grad, want)
 
 
-@pytest.mark.parametrize("with_mods, learn, pdl", [
-    (False, False, False), (True, False, False), (True, True, False), (False, False, True)],
-    ids=["no-mods", "alibi", "alibi-learnable", "pdl"])
-def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, learn, pdl):
+@pytest.mark.parametrize("with_mods, learn, pdl, dq_add", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False),
+    (False, False, True, False), (False, False, False, True)],
+    ids=["no-mods", "alibi", "alibi-learnable", "pdl", "dq_add"])
+def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, learn, pdl,
+                                                     dq_add):
     """The launcher on the CPU with cuTile's launch stubbed: it returns [dq, dk, dv] and each
     learnable capture's gradient (in the capture's dtype and shape), hands the dK/dV kernel
     the zeroed fp32 arrays for them and its CAPTURE_GRADS bits, and launches three kernels
-    (with BackwardSchedule.pdl the last two as programmatic dependents)."""
+    (with BackwardSchedule.pdl the last two as programmatic dependents); with dq_add, in the
+    fast mode, two (dQ comes from the dK/dV kernel's fp32 adds), in deterministic mode three."""
     import cuda.tile as ct
 
     from hf_tiled_attention import backward_launch
@@ -310,14 +313,29 @@ def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, lea
                                                                          dtype=torch.bfloat16)
     out = torch.randn(q.shape, dtype=torch.bfloat16)
     lse = torch.randn(q.shape[:3])
-    grads = backward_launch.run_backward(out, q, k, k, out, lse, None, None, causal=True,
-                                         scale=0.2, window=None, softcap=None, diag_offset=0,
-                                         mods=mods, learnable=[learn] if with_mods else [],
-                                         schedule=replace(backward_schedule(32), pdl=pdl))
+    schedule = replace(backward_schedule(32), pdl=pdl, dq_add=dq_add)
+
+    def run():
+        return backward_launch.run_backward(out, q, k, k, out, lse, None, None, causal=True,
+                                            scale=0.2, window=None, softcap=None,
+                                            diag_offset=0, mods=mods,
+                                            learnable=[learn] if with_mods else [],
+                                            schedule=schedule)
+    if dq_add:  # the deterministic mode launches the dQ kernel all the same
+        hta.set_deterministic(True)
+        try:
+            run()
+        finally:
+            hta.set_deterministic(None)
+        assert len(launches) == 3 and not launches[1][-1][P.DQ_ADD]
+        launches.clear()
+        dependent.clear()
+    grads = run()
     assert [g.shape for g in grads] == [q.shape, k.shape, k.shape] + ([slopes.shape] * learn)
-    assert learn is False or grads[3].dtype == torch.bfloat16
-    assert len(launches) == 3 and dependent == [False, pdl, pdl]
-    assert launches[0][-1] is pdl and launches[1][-1][P.PDL] is launches[2][-1][P.PDL] is pdl
+    assert grads[0].dtype == q.dtype and (learn is False or grads[3].dtype == torch.bfloat16)
+    assert len(launches) == 3 - dq_add and dependent == [False, pdl, pdl][:3 - dq_add]
+    assert launches[1][-1][P.DQ_ADD] is dq_add
+    assert launches[0][-1] is pdl and all(args[-1][P.PDL] is pdl for args in launches[1:])
     kv_args = launches[1]
     captures, constants = kv_args[-7], kv_args[-1]
     assert constants[P.CAPTURE_GRADS] == int(learn)
@@ -342,7 +360,7 @@ def test_unchecked_loads_read_rows_padded_to_whole_tiles(monkeypatch, unchecked)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
     schedule = replace(backward_schedule(32), rows_tile=32, kv_queries=16, q_rows=128,
-                       unchecked_loads=unchecked)
+                       unchecked_loads=unchecked, dq_add=False)  # (three kernels)
     q, k = torch.randn(2, 4, 200, 32), torch.randn(2, 2, 200, 32)
     backward_launch.run_backward(q, q, k, k, q, torch.randn(q.shape[:3]), None, None,
                                  causal=True, scale=0.2, window=None, softcap=None,
