@@ -254,23 +254,21 @@ DETERMINISTIC = "tiled[deterministic]"
 @contextlib.contextmanager
 def tiled_schedule(overrides: dict | None, head_dim: int):
     """The backward runs the table's schedule for ``head_dim`` with ``overrides`` replaced
-    (nothing changed without overrides); ``{"deterministic": True}``: the table's schedule in
-    deterministic mode (hta.set_deterministic), which runs no dQ reduce-adds."""
-    if not overrides:
-        yield
-        return
-    if overrides == {"deterministic": True}:
+    (nothing changed without overrides); an override ``deterministic=True`` is no schedule
+    field but the mode (hta.set_deterministic), which runs no dQ reduce-adds."""
+    fields = dict(overrides or {})
+    deterministic = fields.pop("deterministic", False)
+    if fields:  # (first: a bad field raises before the mode is set)
+        set_backward_schedule(dataclasses.replace(backward_schedule(head_dim), **fields))
+    if deterministic:
         hta.set_deterministic(True)
-        try:
-            yield
-        finally:
-            hta.set_deterministic(None)
-        return
-    set_backward_schedule(dataclasses.replace(backward_schedule(head_dim), **overrides))
     try:
         yield
     finally:
-        set_backward_schedule(None)
+        if fields:
+            set_backward_schedule(None)
+        if deterministic:
+            hta.set_deterministic(None)
 
 
 def run_point(point, args, writer: ResultsWriter) -> None:
