@@ -408,11 +408,12 @@ class BackwardSchedule:
 # By head dim (16..256), first row whose limit is at least it. Measured on the H200 (bf16, B=4,
 # 32 query heads; perf-notes step 27): a dK/dV block keeps two fp32 accumulators of its keys x
 # D, and its loop's transposed score tile is keys x queries: at D=128 a 32-row query step beats
-# a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k), the 64-row step spills. dq_add (dQ in the dK/dV
-# block as (K^T dS^T)^T, TMA reduce-adds; the fast mode, not taken when the backward must be
-# deterministic) is on where it measured faster: D <= 64, 1.03-1.19x (perf-notes step 46);
-# at D=128 it measured 0.86-1.03x at its best tiles (128 keys x 64 rows) and 0.70-0.81x at
-# the table's, so the two-kernel dQ pass stays there.
+# a 64-row one 2.3x (4.8 vs 11.2 ms at S=4k), the 64-row step spilled then (it no longer
+# spills and is 1.10-1.18x slower: step 47). dq_add (dQ in the dK/dV block as (K^T dS^T)^T,
+# TMA reduce-adds; the fast mode, not taken when the backward must be deterministic) is on
+# where it measured faster: D <= 64, 1.03-1.19x (perf-notes step 46); at D=128 it measured
+# 0.86-1.03x at its best tiles (128 keys x 64 rows; as dS K there, the same: step 47) and
+# 0.70-0.81x at the table's, so the two-kernel dQ pass stays there.
 BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (64, BackwardSchedule(kv_keys=64, kv_queries=64, q_rows=64, q_keys=64, kv_warps=4,
                           q_warps=4, kv_occupancy=2, q_occupancy=2, dq_add=True),
