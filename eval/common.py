@@ -243,6 +243,23 @@ def checked(row: dict, err: float, bound: float) -> bool:
     return True
 
 
+def median_interval(values: list[float], confidence: float = 0.95):
+    """A distribution-free interval for the median of what ``values`` were drawn from: the
+    k-th smallest and k-th largest value, k the largest whose coverage (binomial, p = 1/2) is
+    at least ``confidence``. None when there are too few values for it (under 6 at 95%)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"median_interval: confidence must be in (0, 1), got {confidence!r}")
+    n, tail = len(values), (1 - confidence) / 2
+    k, below = 0, 0.0  # below: P(at most k-1 of n values fall under the median)
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
 def timed(row: dict, fn, arg_sets: list, flops: float, warmup: int, reps: int):
     """One call's median latency (``ms``, ``tflops``) and, on a GPU, calls back to back
     (``gpu_ms``, ``gpu_tflops``) into ``row``; returns gpu_ms (None without a GPU)."""

@@ -10,9 +10,14 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 
 * ``ttft_ms``: time to first token, the median of ``generate(max_new_tokens=1)`` (the prefill);
 * ``tokens_per_s``: new tokens per second after the first, ``batch * (new_tokens - 1)`` over the
-  median time of the full call minus the time to first token (the decode steps).
+  median time of the full call minus the time to first token (the decode steps);
+* ``vs_sdpa``, ``vs_sdpa_low``, ``vs_sdpa_high``: the median over reps of the backend's
+  tokens/s over sdpa's in the same rep, and a 95% interval for it (common.median_interval;
+  blank under 6 reps). Whether a difference is more than the host's noise: an interval that
+  holds 1.0 does not tell the two apart.
 
-The backends take turns rep by rep, so slow phases of the host fall on all of them alike.
+The backends take turns rep by rep, so slow phases of the host fall on all of them alike (and
+each rep's ratio compares runs seconds apart).
 
 ``--cache static`` is ``cache_implementation="static"``: transformers compiles the decode step
 (torch.compile, CUDA graphs) on the first call, which the warm-up absorbs. ``eager`` runs only
@@ -35,14 +40,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import (ResultsWriter, label_lengths, progress, results_dir,  # noqa: E402
-                         save_figure)
+from eval.common import (ResultsWriter, label_lengths, median_interval, progress,  # noqa: E402
+                         results_dir, save_figure)
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
 CACHES = ["dynamic", "static"]
 COLUMNS = ["model", "layers", "backend", "cache", "batch", "prompt", "new_tokens", "ttft_ms",
-           "tokens_per_s", "peak_gib", "status", "reason"]
+           "tokens_per_s", "vs_sdpa", "vs_sdpa_low", "vs_sdpa_high", "peak_gib", "status",
+           "reason"]
 # eager keeps (B, Hq, S, S) scores in bf16 and their fp32 softmax: run it only where that fits
 # in this share of the GPU's memory.
 EAGER_SCORE_SHARE = 0.4
@@ -64,8 +70,9 @@ def timed_generate(model, ids, new_tokens: int, cache: str) -> float:
 @torch.inference_mode()
 def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
             reps: int) -> dict:
-    """Per backend (time to first token ms, new tokens/s after the first, peak GiB), or the
-    first line of its out-of-memory error. The backends take turns rep by rep (tiled, sdpa,
+    """Per backend (time to first token ms, new tokens/s after the first, peak GiB, its
+    per-rep ratio to sdpa's: :func:`paired_ratio`), or the first line of its out-of-memory
+    error. The backends take turns rep by rep (tiled, sdpa,
     eager, tiled, ...), so a slow phase of the host (whose run-to-run swings exceed the
     backends' difference: perf-notes step 22) falls on all of them alike."""
     firsts = {name: [] for name in models}
@@ -96,16 +103,31 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
                 for first, full in run(name, 1):
                     firsts[name].append(first)
                     fulls[name].append(full)
+    def rate(first, full):
+        return ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
+
+    rates = {name: [rate(*pair) for pair in zip(firsts[name], fulls[name])]
+             for name in models if name not in failed}
     results = {}
     for name in models:
         if name in failed:
             results[name] = failed[name]
             continue
         first = statistics.median(firsts[name])
-        full = statistics.median(fulls[name])
-        rate = ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
-        results[name] = (first * 1e3, rate, peaks[name])
+        results[name] = (first * 1e3, rate(first, statistics.median(fulls[name])), peaks[name],
+                         paired_ratio(rates, name))
     return results
+
+
+def paired_ratio(rates: dict, name: str, baseline: str = "sdpa"):
+    """(median, 95% interval or None) over reps of ``rates[name][r] / rates[baseline][r]``:
+    each rep's two runs took turns seconds apart, so the host's slow phases, which move either
+    backend's own rate by more than their difference, cancel in the ratio. None for the
+    baseline itself or when it did not run."""
+    if name == baseline or baseline not in rates:
+        return None
+    ratios = [mine / theirs for mine, theirs in zip(rates[name], rates[baseline])]
+    return statistics.median(ratios), median_interval(ratios)
 
 
 def eager_fits(config, batch: int, prompt: int) -> bool:
@@ -216,16 +238,23 @@ def main(argv=None) -> int:
         for backend in models:
             row = dict(model=shape, layers=layers, backend=backend, cache=cache, batch=batch,
                        prompt=prompt, new_tokens=args.new_tokens, ttft_ms="", tokens_per_s="",
-                       peak_gib="", status="ok", reason="")
+                       vs_sdpa="", vs_sdpa_low="", vs_sdpa_high="", peak_gib="", status="ok",
+                       reason="")
             result = measured.get(backend)
             if result is None:
                 row.update(status="skipped", reason="eager's O(S^2) attention scores do not fit")
             elif isinstance(result, str):
                 row.update(status="oom", reason=result)
             else:
-                ttft, rate, peak = result
+                ttft, rate, peak, ratio = result
                 row.update(ttft_ms=f"{ttft:.1f}", tokens_per_s=f"{rate:.1f}",
                            peak_gib=f"{peak:.2f}" if on_gpu else "")
+                if ratio is not None:
+                    median, interval = ratio
+                    row["vs_sdpa"] = f"{median:.3f}"
+                    if interval is not None:
+                        row.update(vs_sdpa_low=f"{interval[0]:.3f}",
+                                   vs_sdpa_high=f"{interval[1]:.3f}")
             results.add(row)
             print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
         if on_gpu:

@@ -116,6 +116,43 @@ def test_generate_points_cpu(tmp_path):
             generate_throughput.main(bad + ["--out", str(tmp_path)])
 
 
+def test_median_interval_has_its_coverage():
+    """The order statistics' interval for a median: k-th smallest to k-th largest, k the
+    largest whose binomial coverage is at least the asked one; none with too few values."""
+    from math import comb
+
+    from eval.common import median_interval
+    values = [float(v) for v in (9, 2, 7, 4, 12, 1, 8, 3, 11, 5, 10, 6)]  # 1..12 shuffled
+    assert median_interval(values) == (3.0, 10.0)  # n=12: k=3, coverage 1 - 2 * 79/4096
+    assert 1 - 2 * sum(comb(12, i) for i in range(3)) / 2 ** 12 >= 0.95
+    assert 1 - 2 * sum(comb(12, i) for i in range(4)) / 2 ** 12 < 0.95  # k=4 would fall short
+    assert median_interval(values[:6]) == (1.0, 12.0)  # n=6: the extremes (coverage 0.969)
+    assert median_interval(values[:5]) is None  # the extremes cover 0.9375 < 0.95
+    assert median_interval(values[:5], confidence=0.9) == (2.0, 12.0)  # 9, 2, 7, 4, 12
+    with pytest.raises(ValueError, match="confidence"):
+        median_interval(values, confidence=1.0)
+
+
+def test_generate_ratio_to_sdpa_per_rep(tmp_path):
+    """vs_sdpa is the median over reps of each rep's tokens/s over sdpa's, with its interval
+    from 6 reps on; sdpa's own row has none."""
+    from eval import generate_throughput
+    assert generate_throughput.paired_ratio({"sdpa": [10.0, 20.0, 40.0],
+                                             "tiled": [11.0, 18.0, 48.0]}, "tiled") == (
+        1.1, None)
+    assert generate_throughput.paired_ratio({"tiled": [1.0]}, "tiled") is None
+    # (16 new tokens: a rep's decode time, its full run's minus its prefill's, stays well
+    # above a busy CI runner's jitter; with 3 it once came out near 0 and its rate absurd)
+    assert generate_throughput.main(["--new-tokens", "16", "--points", "1x12", "--cache",
+                                     "dynamic", "--backends", "tiled", "sdpa", "--reps", "6",
+                                     "--warmup", "0", "--out", str(tmp_path)]) == 0
+    tiled, sdpa = read_csv(tmp_path / "generate.csv")
+    assert (tiled["backend"], sdpa["backend"]) == ("tiled", "sdpa")
+    assert sdpa["vs_sdpa"] == sdpa["vs_sdpa_low"] == sdpa["vs_sdpa_high"] == ""
+    low, mid, high = (float(tiled[c]) for c in ("vs_sdpa_low", "vs_sdpa", "vs_sdpa_high"))
+    assert 0 < low <= mid <= high
+
+
 def test_profile_decode_step_cpu(tmp_path):
     from eval import profile_decode_step
     # A step's time is a difference of two timed generate() runs: 48 steps (~0.1-0.3 s on a
