@@ -72,9 +72,9 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
             reps: int) -> dict:
     """Per backend (time to first token ms, new tokens/s after the first, peak GiB, its
     per-rep ratio to sdpa's: :func:`paired_ratio`), or the first line of its out-of-memory
-    error. The backends take turns rep by rep (tiled, sdpa,
-    eager, tiled, ...), so a slow phase of the host (whose run-to-run swings exceed the
-    backends' difference: perf-notes step 22) falls on all of them alike."""
+    error. The backends take turns rep by rep (tiled, sdpa, eager, tiled, ...), so a slow
+    phase of the host (whose run-to-run swings exceed the backends' difference: perf-notes
+    step 22) falls on all of them alike."""
     firsts = {name: [] for name in models}
     fulls = {name: [] for name in models}
     peaks = dict.fromkeys(models, 0.0)
@@ -103,6 +103,7 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
                 for first, full in run(name, 1):
                     firsts[name].append(first)
                     fulls[name].append(full)
+
     def rate(first, full):
         return ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
 
