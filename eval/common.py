@@ -251,8 +251,11 @@ def median_interval(values: list[float], confidence: float = 0.95):
         raise ValueError(f"median_interval: confidence must be in (0, 1), got {confidence!r}")
     n, tail = len(values), (1 - confidence) / 2
     k, below = 0, 0.0  # below: P(at most k-1 of n values fall under the median)
-    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    while k < n:
+        exactly_k = math.comb(n, k) / 2 ** n
+        if below + exactly_k > tail:
+            break
+        below += exactly_k
         k += 1
     if k == 0:
         return None
