@@ -423,10 +423,10 @@ BACKWARD_TABLE: tuple[tuple[int, BackwardSchedule, str], ...] = (
     (128, BackwardSchedule(kv_keys=128, kv_queries=32, q_rows=128, q_keys=64,
                            edge_states=False),
      "dK/dV 128 keys x 32-row query steps, dQ 128 rows x 64 keys, two warpgroups each: 381 / "
-     "374 TF/s at S=4k; 64-row dK/dV steps spill (203 TF/s), loading Q transposed instead of "
-     "transposing it costs 5-20%. A mask's edge steps without their tile states: documents "
-     "1.49 against 1.86 ms, a 1024-key window 2.03 against 2.18 (B=4, S=4k, 32/8; perf-notes "
-     "step 46)"),
+     "374 TF/s at S=4k; 64-row dK/dV steps spilled then (203 TF/s; no spill now, 1.10-1.18x "
+     "slower: perf-notes step 47), loading Q transposed instead of transposing it costs "
+     "5-20%. A mask's edge steps without their tile states: documents 1.49 against 1.86 ms, a "
+     "1024-key window 2.03 against 2.18 (B=4, S=4k, 32/8; perf-notes step 46)"),
     (160, BackwardSchedule(kv_keys=64, kv_queries=32, q_rows=128, q_keys=32, rows_tile=32),
      "D=129..160 (128 + 32): the D=256 row with 32-row dK/dV query steps, which do not spill "
      "(64-row ones spill 352 B): 14.9 / 7.9 ms at B=4, S=4k, 32/8 (not causal / causal) "
