@@ -309,9 +309,10 @@ def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[
     the four-array entry (LaunchPlan.lean)."""
     if lean and mods_module is not None:
         raise ValueError("kernel_with_hints: the four-array entry has no mods")
-    kernel = _attention_kernel(mods_module)
     if lean:
         from .kernel import attention_forward_lean_kernel as kernel
+    else:
+        kernel = _attention_kernel(mods_module)
     hints = dict(occupancy=occupancy, num_ctas=num_ctas)
     if num_worker_warps is not None:
         hints["num_worker_warps"] = num_worker_warps
@@ -700,10 +701,11 @@ def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                                        TupleConstraint)
 
     arrays = launch_arrays(plan, query, key, key, mask)
-    *plain, captures = arrays.attention if not plan.lean else arrays.attention + (None,)
-    params = [array_constraint(a) for a in plain]
-    if captures is not None:
-        # The captures tuple needs the calling convention that has tuple parameters (v2).
+    if plan.lean:  # four arrays, no captures
+        params = [array_constraint(a) for a in arrays.attention]
+    else:  # the arrays, then the captures tuple (calling convention v2 has tuple parameters)
+        *plain, captures = arrays.attention
+        params = [array_constraint(a) for a in plain]
         params.append(TupleConstraint([array_constraint(a) for a in captures]))
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
