@@ -10,7 +10,7 @@ one decode step. Per step:
 
 * ``step_ms``: wall time (medians of ``--reps`` unprofiled runs);
 * ``gpu_busy_ms``: the sum of all GPU kernel times; ``attention_gpu_ms``: the attention kernels'
-  share (ours: the attention kernel and the split merge; sdpa's: its fused kernels);
+  share (ours: the attention kernel, which merges key splits itself; sdpa's: its fused kernels);
   ``other_gpu_ms``: every other kernel (matmuls, norms, RoPE, cache appends);
 * ``gpu_idle_ms``: wall minus busy, time the GPU waits on the host;
 * ``kernels``: kernel launches per step;

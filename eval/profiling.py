@@ -13,9 +13,9 @@ import torch
 
 # Host-time ranges the profiled runs add around the attention functions and the mask builders.
 ATTENTION_RANGE, MASK_RANGE = "profile::attention", "profile::mask"
-# Kernel names that are attention: our cuTile kernels (forward, split merge, the backward's
+# Kernel names that are attention: our cuTile kernels (the forward's entries, the backward's
 # three), sdpa's backends and FlexAttention's compiled kernels.
-ATTENTION_KERNELS = ("attention_forward", "merge_splits", "attention_backward", "flash", "fmha",
+ATTENTION_KERNELS = ("attention_forward", "attention_backward", "flash", "fmha",
                      "cudnn", "efficient_attention", "sdpa", "flex_attention")
 # transformers' mask builders, as a model's modeling module imports them.
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")

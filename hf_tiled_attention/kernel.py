@@ -19,14 +19,14 @@ i, j)``. The two mods are module globals here; launch.py builds one copy of the 
 user mod with them replaced, and ``Captures`` carries the tensors the mods read.
 
 Only key tiles inside the causal/window range are visited (split over ``kv_splits`` blocks
-when there are too few query tiles to fill the GPU, e.g. decode; merge.py combines the slices);
-inside it, tiles that need no per-element mask skip the masking work, and with a mask's block
-table (``MASK_TABLE``) empty tiles are skipped and full ones are not masked; the query tile's
-longest run of full key tiles is streamed without reading the table, so the loop over it
-carries no branch, and its longest gap of empty tiles before that run is jumped. Without the
-table (a key vector in a traced call, where building it per call would cost more than it saves)
-the mask is applied on every visited tile. Every tuning knob comes in as a constant from
-:class:`hf_tiled_attention.Schedule`.
+when there are too few query tiles to fill the GPU, e.g. decode: the split entry's last block
+of a query tile combines the slices, merge.py); inside it, tiles that need no per-element mask
+skip the masking work, and with a mask's block table (``MASK_TABLE``) empty tiles are skipped
+and full ones are not masked; the query tile's longest run of full key tiles is streamed
+without reading the table, so the loop over it carries no branch, and its longest gap of empty
+tiles before that run is jumped. Without the table (a key vector in a traced call, where
+building it per call would cost more than it saves) the mask is applied on every visited tile.
+Every tuning knob comes in as a constant from :class:`hf_tiled_attention.Schedule`.
 """
 
 import math
@@ -36,6 +36,7 @@ import cuda.tile as ct
 from . import kernel_params as P
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, LOG2E, MASK_MOD, NO_MASK, TILE_EMPTY,
                             TILE_FULL, TILE_PARTIAL)
+from .merge import merge_query_tile
 from .tile_rows import key_tile_walk, load_rows, mma, store_lse, store_rows
 from .visibility import visible
 
@@ -59,8 +60,9 @@ def attention_forward(
     softcap_out: float,      # softcap * SCORE_UNIT when SOFTCAP
     diag_offset: int,        # query row i sits at key position i + diag_offset
     window: int,
-    kv_splits: int,          # >1: block (m, split) covers one slice of the key tiles and writes
-                             # its fp32 partial output + LSE at [split, b * heads + head]
+    kv_splits: int,          # >1 (the split entry's calls): block (m, split) covers one slice
+                             # of the key tiles and writes its fp32 partial output + LSE at
+                             # [split, b * heads + head] of Out and Lse
     C: ct.Constant,          # kernel_params.AttentionConstants
 ):
     _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_scale,
@@ -86,10 +88,38 @@ def attention_forward_lean(
 attention_forward_lean_kernel = ct.kernel(attention_forward_lean)
 
 
+def attention_forward_split(
+    Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, PartOut, PartLse, Arrivals,
+    score_scale: float, softcap_out: float, diag_offset: int, window: int, kv_splits: int,
+    C: ct.Constant,
+    M: ct.Constant,          # kernel_params.MergeConstants
+):
+    """The entry for a call whose keys are split over ``kv_splits`` blocks per query tile, in
+    one launch: each block writes its slice's fp32 partial output and LSE (PartOut, PartLse)
+    and adds 1 to its query tile's count in Arrivals (``(B, heads, query tiles)`` int32, zero
+    between launches); the block that brings the count to ``kv_splits`` merges the slices into
+    Out and Lse (merge.py) and sets the count back to zero. The count's atomic add is
+    acquire-release: it publishes the block's partials, and the last block sees everyone's."""
+    m_tile = _query_tile(Q, K, V, PartOut, PartLse, Mask, TileState, TileRange, Captures,
+                         score_scale, softcap_out, diag_offset, window, kv_splits, C)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    arrived = ct.atomic_add(Arrivals, (batch, head, m_tile), 1)
+    if arrived == kv_splits - 1:
+        ct.scatter(Arrivals, (batch, head, m_tile), 0)
+        merge_query_tile(PartOut, PartLse, Out, Lse, kv_splits, batch, head,
+                         batch * ct.num_blocks(1) + head, m_tile, C[P.TILE_M] // C[P.G_TILE],
+                         C[P.G_TILE], M)
+
+
+attention_forward_split_kernel = ct.kernel(attention_forward_split)
+
+
 def _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_scale,
                 softcap_out, diag_offset, window, kv_splits, C):
     """One output tile: query block ``bid(0)`` (a query tile and, with kv_splits > 1, one slice
-    of its keys) of head ``bid(1)`` (a kv head when G_TILE > 1) and batch row ``bid(2)``."""
+    of its keys) of head ``bid(1)`` (a kv head when G_TILE > 1) and batch row ``bid(2)``.
+    Returns the query tile's index."""
     TILE_M = C[P.TILE_M]
     TILE_N = C[P.TILE_N]
     TILE_D = C[P.TILE_D]
@@ -174,6 +204,7 @@ def _query_tile(Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures, score_s
         lse = ct.where(empty, -math.inf,
                        m_i / C[P.SCORE_UNIT] + ct.log(ct.where(empty, 1.0, l_i)))
         store_lse(Lse, out_0, out_1, m_tile, lse, ROWS, G_TILE)
+    return m_tile
 
 
 def _attend_tile(j, state, rows, where, arrays, scalars, EDGE, C):

@@ -6,7 +6,8 @@ Pure Python (no torch, no cuTile), so the host imports it without a GPU toolchai
 kernels import it as cuTile code. The attention kernel takes its constants as ONE
 ``ct.Constant`` parameter, an :class:`AttentionConstants` tuple, and reads a field as
 ``C[P.NAME]`` (``P`` this module): each field's index is a module constant of the same name,
-derived from the declaration below, so adding a field is one line here.
+derived from the declaration below, so adding a field is one line here. The forward's split
+entry also takes a :class:`MergeConstants` tuple ``M``, read the same way.
 """
 
 from __future__ import annotations
@@ -98,7 +99,20 @@ class AttentionConstants(NamedTuple):
                         # kernel writes its rows padded to whole tiles)
 
 
-# C[P.CAUSAL] and friends: each field's index under its own name.
-for _index, _name in enumerate(AttentionConstants._fields):
+class MergeConstants(NamedTuple):
+    """The attention kernel's split entry's second constants tuple: how its last block per
+    query tile merges the key splits (merge.py)."""
+    MERGE_ROWS: int     # query positions merged at a time (a power of two dividing the tile's)
+    SPLIT_TILE: int     # slices read per load
+    CHUNK_D: int        # head-dim columns merged at a time
+    D_CHUNKS: int       # CHUNK_D * D_CHUNKS >= the head dim
+    MERGE_LSE: bool     # also store the merged LSE (the call returns it)
+
+
+# C[P.CAUSAL], M[P.SPLIT_TILE] and friends: each field's index under its own name (so the two
+# tuples' field names must differ).
+assert not set(AttentionConstants._fields) & set(MergeConstants._fields)
+for _index, _name in [*enumerate(AttentionConstants._fields),
+                      *enumerate(MergeConstants._fields)]:
     globals()[_name] = _index
 del _index, _name

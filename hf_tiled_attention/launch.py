@@ -4,7 +4,8 @@
 cached :class:`KernelVariant` (the compile-time constants and compiler hints). It reads only
 shapes and dtypes, so the CPU tests plan on meta tensors and compile every variant the op can
 dispatch without a GPU. :func:`launch_arrays` builds the arrays a launch passes and
-:func:`run_kernel` launches the attention kernel, then, when the keys were split, the merge.
+:func:`run_kernel` launches the attention kernel (one launch: with split keys, the kernel's
+last block per query tile merges the slices).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, NO_MASK_GRAD,
-                            AttentionConstants)
+                            AttentionConstants, MergeConstants)
 from .masks import CompactMask, ModMask
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
@@ -36,23 +37,17 @@ MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 # A call whose launches the host makes every time (eager, not replayed from a CUDA graph) splits
 # its keys only when each unsplit block would stream at least this many bytes of K and V: below
-# that the GPU time a split saves (a few us) is less than the host time of the merge's launch
-# (about 8 us on the H200's host, twice that inside a model's layer), and a decode step at batch 1
-# is bound by the host (perf-notes step 31).
+# that the GPU time a split saves (a few us) is less than the host time its three more arrays,
+# workspace and merge cost (perf-notes step 31 measured it with the merge a launch of its own),
+# and a decode step at batch 1 is bound by the host.
 EAGER_SPLIT_MIN_BYTES = 2 << 20
-# The merge reads at most this many fp32 partial outputs per load.
-MERGE_TILE_ELEMENTS = 8192
+# The merge reads at most this many fp32 partial outputs per load, in column chunks of at most
+# MERGE_CHUNK_D, narrowed so a chunk of its rows holds at most MERGE_ROW_CHUNK_ELEMENTS: with
+# more, the split entry's sm_90 cubin spills registers in its merge (packed tiles of 16-128
+# rows).
+MERGE_TILE_ELEMENTS = 4096
 MERGE_CHUNK_D = 64
-
-
-class MergeConstants(NamedTuple):
-    """merge.merge_splits's Constant parameters, in its order."""
-    G_TILE: int
-    ROWS: int
-    SPLIT_TILE: int
-    CHUNK_D: int
-    D_CHUNKS: int
-    WRITE_LSE: bool
+MERGE_ROW_CHUNK_ELEMENTS = 1024
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,6 @@ class LaunchPlan:
     kv_splits: int
     return_lse: bool
     merge: Optional[MergeConstants]            # set when kv_splits > 1
-    merge_grid: tuple[int, int, int]
     views: "BufferViews"
 
     @functools.cached_property
@@ -110,13 +104,9 @@ class LaunchPlan:
     @functools.cached_property
     def trailing_args(self) -> tuple:
         """What the attention kernel's launch passes after its arrays: the scalars and the
-        constants."""
-        return self.scalars + (self.variant.constant_values,)
-
-    @functools.cached_property
-    def merge_trailing_args(self) -> tuple:
-        """What the merge's launch passes after its arrays (a plan that splits its keys)."""
-        return (self.kv_splits,) + self.merge
+        constants (and a split launch's merge constants)."""
+        merge = () if self.merge is None else (tuple(self.merge),)  # (a plain tuple: see above)
+        return self.scalars + (self.variant.constant_values,) + merge
 
     @functools.cached_property
     def lean(self) -> bool:
@@ -126,17 +116,18 @@ class LaunchPlan:
         return (self.variant.mods is None and c.MASK_KIND == NO_MASK and not c.WRITE_LSE
                 and self.kv_splits == 1)
 
-    # The kernel objects, looked up once per plan (plans are memoised: per-call host time).
+    @functools.cached_property
+    def entry(self) -> str:
+        """Which of the kernel's entries the launch takes (kernel.py): "lean", "split" (keys
+        split, merged in the same launch) or "full"."""
+        return "lean" if self.lean else "split" if self.kv_splits > 1 else "full"
+
+    # The kernel object, looked up once per plan (plans are memoised: per-call host time).
     @functools.cached_property
     def kernel(self):
         v = self.variant
         return kernel_with_hints(v.occupancy, v.num_ctas, v.num_worker_warps,
-                                 None if v.mods is None else v.mods.module, self.lean)
-
-    @functools.cached_property
-    def merge_kernel(self):
-        from .merge import merge_splits_kernel
-        return merge_splits_kernel
+                                 None if v.mods is None else v.mods.module, self.entry)
 
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask | ModMask],
@@ -188,16 +179,15 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
                              float(scale), window is not None, softcap, schedule,
                              bool(return_lse or splits > 1), g_tile, tile_m, mods)
     grid = (m_tiles * splits, heads_grid, batch)
-    merge, merge_grid = None, (0, 0, 0)
+    merge = None
     if splits > 1:  # the merge takes the query's own rows: at most 16 (DECODE_QUERY_ROWS)
         merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
                                 bool(return_lse))
-        merge_grid = (math.ceil(seq_q / merge.ROWS) * merge.D_CHUNKS, heads_grid, batch)
     return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
                       window=int(window or 0), kv_splits=splits, return_lse=bool(return_lse),
-                      merge=merge, merge_grid=merge_grid,
+                      merge=merge,
                       views=buffer_views(batch, heads_q, heads_grid, seq_q, head_dim, g_tile,
-                                         splits))
+                                         splits, m_tiles))
 
 
 def packed_group_tile(schedule: Schedule, seq_q: int, group: int,
@@ -287,14 +277,14 @@ def compiler_hints(schedule: Schedule, g_tile: int, tile_m: int) -> tuple[Option
 @memoize(256)
 def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                     write_lse: bool) -> MergeConstants:
-    """The merge's tiling: ``rows`` query positions x ``g_tile`` heads per block, CHUNK_D
-    columns (a block per chunk), and as many slices per load as MERGE_TILE_ELEMENTS allows."""
+    """The merge's tiling: ``rows`` query positions x ``g_tile`` heads x CHUNK_D columns at a
+    time, and as many slices per load as MERGE_TILE_ELEMENTS allows."""
     width = max(16, _next_power_of_two(head_dim))
-    chunk = min(width, MERGE_CHUNK_D)
+    chunk = min(width, MERGE_CHUNK_D, max(16, MERGE_ROW_CHUNK_ELEMENTS // (rows * g_tile)))
     split_tile = min(_next_power_of_two(splits),
                      max(1, MERGE_TILE_ELEMENTS // (rows * g_tile * chunk)))
-    return MergeConstants(G_TILE=g_tile, ROWS=rows, SPLIT_TILE=split_tile, CHUNK_D=chunk,
-                          D_CHUNKS=width // chunk, WRITE_LSE=write_lse)
+    return MergeConstants(MERGE_ROWS=rows, SPLIT_TILE=split_tile, CHUNK_D=chunk,
+                          D_CHUNKS=width // chunk, MERGE_LSE=write_lse)
 
 
 def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
@@ -303,16 +293,16 @@ def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
 
 @memoize(256)
 def kernel_with_hints(occupancy: int, num_ctas: int, num_worker_warps: Optional[int],
-                      mods_module=None, lean: bool = False):
+                      mods_module=None, entry: str = "full"):
     """The kernel object for one set of compiler hints (each keeps its own JIT cache), and with
-    a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod; ``lean``:
-    the four-array entry (LaunchPlan.lean)."""
-    if lean and mods_module is not None:
+    a mods module (mods.py) the kernel's copy that calls its score_mod / mask_mod; ``entry``:
+    which of the kernel's entries (LaunchPlan.entry)."""
+    if entry == "lean" and mods_module is not None:
         raise ValueError("kernel_with_hints: the four-array entry has no mods")
-    if lean:
+    if entry == "lean":
         from .kernel import attention_forward_lean_kernel as kernel
     else:
-        kernel = _attention_kernel(mods_module)
+        kernel = _attention_kernel(mods_module, entry == "split")
     hints = dict(occupancy=occupancy, num_ctas=num_ctas)
     if num_worker_warps is not None:
         hints["num_worker_warps"] = num_worker_warps
@@ -324,16 +314,17 @@ _MOD_NAMES = ("_score_mod", "_mask_mod", "_score_mod_grad", "_score_mod_capture_
 
 
 @memoize(256)
-def _attention_kernel(mods_module=None):
-    """The attention kernel, or with a mods module the kernel made from
-    :func:`kernel_copy_with_mods`."""
+def _attention_kernel(mods_module=None, split: bool = False):
+    """The attention kernel's full entry (``split``: its split entry), or with a mods module
+    that entry's kernel made from :func:`kernel_copy_with_mods`."""
     import cuda.tile as ct
 
     from . import kernel as source
 
     if mods_module is None:
-        return source.attention_forward_kernel
-    return ct.kernel(kernel_copy_with_mods(mods_module, source.attention_forward))
+        return source.attention_forward_split_kernel if split else source.attention_forward_kernel
+    entry = source.attention_forward_split if split else source.attention_forward
+    return ct.kernel(kernel_copy_with_mods(mods_module, entry))
 
 
 def kernel_copy_with_mods(mods_module, entry: Optional[types.FunctionType] = None
@@ -420,12 +411,13 @@ _MAX_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
 def _split_buffers(views: "BufferViews", device: torch.device,
-                   stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial outputs, partial LSEs) of a launch that splits its keys: views into one fp32
-    workspace. With a ``stream`` (raw handle; given when the call may keep device memory) the
-    workspace of a (views, device, stream) is kept and reused (a decode call then allocates and
-    views three tensors fewer): launches on one stream run in order, so a call's merge has read
-    it before the next call's kernel writes it."""
+                   stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(partial outputs, partial LSEs, arrival counts) of a launch that splits its keys: fp32
+    views into one workspace, and the zeroed int32 counts (the kernel leaves them zero). With a
+    ``stream`` (raw handle; given when the call may keep device memory) the workspace of a
+    (views, device, stream) is kept and reused (a decode call then allocates and views four
+    tensors fewer): launches on one stream run in order, so a call's merge has read it before
+    the next call's kernel writes it."""
     key = None
     if stream is not None:
         key = (views, device, stream)
@@ -434,9 +426,10 @@ def _split_buffers(views: "BufferViews", device: torch.device,
             return buffers
     workspace = torch.empty(views.workspace, dtype=torch.float32, device=device)
     buffers = (workspace.as_strided(*views.part_out, views.part_offset),
-               workspace.as_strided(*views.part_lse))
+               workspace.as_strided(*views.part_lse),
+               torch.zeros(views.arrivals, dtype=torch.int32, device=device))
     if key is not None:
-        kept = sum(out.untyped_storage().nbytes() for out, _ in _split_workspaces.values())
+        kept = sum(out.untyped_storage().nbytes() for out, *_ in _split_workspaces.values())
         if kept + views.workspace * 4 > _MAX_KEPT_WORKSPACE_BYTES:
             _split_workspaces.clear()  # (a workspace still in use stays alive with its call)
         _split_workspaces.put(key, buffers)
@@ -456,8 +449,8 @@ class BufferViews(NamedTuple):
     the shape of the packed ``(B, heads, Sq, pack, D)`` views of the queries and the output, and
     ``(shape, strides)`` of the output's (its layout is :func:`empty_output`'s) and the LSE's
     (None unless packed), and of the key splits' ``(S, B * heads, ...)`` LSEs and outputs in
-    one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``; None unless
-    split)."""
+    one fp32 workspace of ``workspace`` elements (outputs from ``part_offset``) and the shape of
+    their ``(B, heads, query tiles)`` arrival counts (None unless split)."""
     group_rows: Optional[tuple]
     out_rows: Optional[tuple]
     lse_rows: Optional[tuple]
@@ -465,12 +458,13 @@ class BufferViews(NamedTuple):
     part_out: Optional[tuple]
     part_offset: int
     workspace: int
+    arrivals: Optional[tuple]
 
 
 @memoize(1024)
 def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim: int,
-                 g_tile: int, splits: int) -> BufferViews:
-    group_rows = out_rows = lse_rows = part_lse = part_out = None
+                 g_tile: int, splits: int, m_tiles: int) -> BufferViews:
+    group_rows = out_rows = lse_rows = part_lse = part_out = arrivals = None
     rows_shape = (heads_q, seq_q, head_dim)
     if g_tile > 1:
         pack = heads_q // heads_grid
@@ -487,12 +481,14 @@ def buffer_views(batch: int, heads_q: int, heads_grid: int, seq_q: int, head_dim
         workspace = offset + lse_size * head_dim
         part_lse = (out_shape[:-1], _contiguous_strides(out_shape[:-1]))
         part_out = (out_shape, _contiguous_strides(out_shape))
-    return BufferViews(group_rows, out_rows, lse_rows, part_lse, part_out, offset, workspace)
+        arrivals = (batch, heads_grid, m_tiles)
+    return BufferViews(group_rows, out_rows, lse_rows, part_lse, part_out, offset, workspace,
+                       arrivals)
 
 
 class LaunchArrays(NamedTuple):
-    attention: tuple             # Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures
-    merge: Optional[tuple]       # PartOut, PartLse, Out, Lse for the merge (kv_splits > 1)
+    attention: tuple             # Q, K, V, Out, Lse, Mask, TileState, TileRange, Captures (and
+                                 # with split keys PartOut, PartLse, Arrivals)
     out: torch.Tensor            # (B, Hq, Sq, D)
     lse: Optional[torch.Tensor]  # (B, Hq, Sq) fp32, or None when not asked for
 
@@ -500,7 +496,7 @@ class LaunchArrays(NamedTuple):
 def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, mask: Optional[CompactMask | ModMask],
                   keep_for_stream: Optional[int] = None) -> LaunchArrays:
-    """The arrays of one launch (and of the merge after it). Works on meta tensors too, which
+    """The arrays of one launch. Works on meta tensors too, which
     is how :func:`export_signatures` sees exactly the arrays a real launch passes.
     ``keep_for_stream``: set (the stream's raw handle) when the call may keep device memory
     (memo.may_keep_device_memory): its placeholders, block tables and key-split workspace are
@@ -517,15 +513,12 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     if plan.lean:
-        return LaunchArrays((q_rows, key, value, out_rows), None, out, None)
+        return LaunchArrays((q_rows, key, value, out_rows), out, None)
     unused = placeholders(device, 4 if variant.g_tile > 1 else 3, keep)
     if lse_rows is None:
         lse_rows = unused.lse
-    merge = None
-    out_arg, lse_arg = out_rows, lse_rows
-    if views.part_out is not None:  # fp32 partial results per key slice, combined by the merge
-        out_arg, lse_arg = _split_buffers(views, device, keep_for_stream)
-        merge = (out_arg, lse_arg, out_rows, lse_rows)
+    # fp32 partial results per key slice, and the counts that find each query tile's last block
+    split = () if views.part_out is None else _split_buffers(views, device, keep_for_stream)
     mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
@@ -534,8 +527,8 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     if mask is not None and variant.constants.MASK_TABLE:
         states, ranges = mask.block_table(variant.tile_m, variant.tile_n, keep)
     captures = () if variant.mods is None else variant.mods.kernel_captures()
-    return LaunchArrays((q_rows, key, value, out_arg, lse_arg, mask_arg, states, ranges,
-                         captures), merge, out, lse)
+    return LaunchArrays((q_rows, key, value, out_rows, lse_rows, mask_arg, states, ranges,
+                         captures) + split, out, lse)
 
 
 def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -553,8 +546,7 @@ def _grouped_strides(stride: tuple, pack: int) -> tuple:
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: Optional[CompactMask | ModMask], *, eager: bool = True,
                keep: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Launches the attention kernel (and the merge when the keys are split) on the current
-    stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
+    """Launches the attention kernel on the current stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
     for the registered op's calls, which keep no device memory (memo.may_keep_device_memory:
     torch.compile's CUDA graphs warm up and record them with allocations routed to a graph's
     memory pool); ``keep``: that answer, when the caller has it already."""
@@ -568,7 +560,7 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
 
     with launch_device(device):
-        _launch(ct, stream, plan, arrays.attention, arrays.merge)
+        _launch(ct, stream, plan, arrays.attention)
     return arrays.out, arrays.lse
 
 
@@ -582,9 +574,7 @@ class Relaunch(NamedTuple):
     plan: LaunchPlan
     stream: int
     device_index: Optional[int]
-    partials: Optional[tuple]      # the key splits' (outputs, LSEs); None: not split
-    attention_tail: tuple          # the attention launch's arrays after its output (and LSE)
-    merge_tail: tuple              # the merge's arrays after the output
+    attention_tail: tuple          # the launch's arrays after its output
     query_rows: Optional[tuple]    # (shape, strides) of the packed query view; None: unpacked
     out_rows: tuple                # (shape, strides) of the kernel's view of the output
     out_shape: tuple               # (B, Sq, Hq, D)
@@ -602,12 +592,7 @@ class Relaunch(NamedTuple):
         out = torch.empty(self.out_shape, dtype=query.dtype, device=query.device)
         out_rows = out.as_strided(*self.out_rows)
         q_rows = query if self.query_rows is None else query.as_strided(*self.query_rows)
-        if self.partials is None:
-            _launch(ct, self.stream, self.plan, (q_rows, key, value, out_rows)
-                    + self.attention_tail, None)
-        else:
-            _launch(ct, self.stream, self.plan, (q_rows, key, value) + self.partials
-                    + self.attention_tail, self.partials + (out_rows,) + self.merge_tail)
+        _launch(ct, self.stream, self.plan, (q_rows, key, value, out_rows) + self.attention_tail)
         return out
 
 
@@ -627,11 +612,7 @@ def repeatable_launch(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     out_rows = plan.views.out_rows or ((batch, heads, seq, head_dim),
                                        output_strides(batch, heads, seq, head_dim))
     # (The first call's own tensors are not kept: its output may be large, in a prefill.)
-    if arrays.merge is None:
-        partials, tail, merge_tail = None, arrays.attention[4:], ()
-    else:
-        partials, tail, merge_tail = arrays.merge[:2], arrays.attention[5:], arrays.merge[3:]
-    return Relaunch(plan, stream, device.index, partials, tail, merge_tail, query_rows, out_rows,
+    return Relaunch(plan, stream, device.index, arrays.attention[4:], query_rows, out_rows,
                     (batch, seq, heads, head_dim))
 
 
@@ -647,13 +628,10 @@ def launch_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-def _launch(ct, stream: int, plan: LaunchPlan, attention: tuple,
-            merge: Optional[tuple]) -> None:
-    """The attention kernel's launch on its arrays, and the merge's when the keys are split."""
+def _launch(ct, stream: int, plan: LaunchPlan, attention: tuple) -> None:
+    """The attention kernel's launch on its arrays."""
     _naming_the_mods(plan, ct.launch, stream, plan.grid, plan.kernel,  # compiles once
                      attention + plan.trailing_args)
-    if merge is not None:
-        ct.launch(stream, plan.merge_grid, plan.merge_kernel, merge + plan.merge_trailing_args)
 
 
 def _naming_the_mods(plan: LaunchPlan, compiles: Callable, *args, **kwargs):
@@ -690,55 +668,39 @@ def array_constraint(tensor: torch.Tensor):
         base_addr_divisible_by=16)
 
 
-def export_signatures(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                      mask: Optional[CompactMask | ModMask] = None):
-    """The :class:`cuda.tile.compilation.KernelSignature` of the attention kernel and, when the
-    plan splits the keys, of the merge (else None), as a launch of ``plan`` on these tensors
-    compiles them (meta tensors are fine): an export compiles the same code (TMA loads and all)
-    that runs."""
+def export_signature(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
+                     mask: Optional[CompactMask | ModMask] = None):
+    """The :class:`cuda.tile.compilation.KernelSignature` of the attention kernel's entry, as a
+    launch of ``plan`` on these tensors compiles it (meta tensors are fine): an export compiles
+    the same code (TMA loads and all) that runs."""
     import cuda.tile as ct
     from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
                                        TupleConstraint)
 
-    arrays = launch_arrays(plan, query, key, key, mask)
+    arrays = launch_arrays(plan, query, key, key, mask).attention
     if plan.lean:  # four arrays, no captures
-        params = [array_constraint(a) for a in arrays.attention]
-    else:  # the arrays, then the captures tuple (calling convention v2 has tuple parameters)
-        *plain, captures = arrays.attention
-        params = [array_constraint(a) for a in plain]
-        params.append(TupleConstraint([array_constraint(a) for a in captures]))
+        params = [array_constraint(a) for a in arrays]
+    else:  # the arrays, the captures tuple (calling convention v2 has tuple parameters), then
+        # a split launch's partial results and counts
+        params = [array_constraint(a) for a in arrays[:8]]
+        params.append(TupleConstraint([array_constraint(a) for a in arrays[8]]))
+        params += [array_constraint(a) for a in arrays[9:]]
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
                ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
-    attention = KernelSignature(params + scalars + [plan.variant.constant_values],
-                                CallingConvention.cutile_python_v2())
-    merge = None
-    if arrays.merge is not None:
-        merge = KernelSignature([array_constraint(a) for a in arrays.merge]
-                                + [ScalarConstraint(ct.int32)] + list(plan.merge),
-                                CallingConvention.cutile_python_v2())
-    return attention, merge
+    return KernelSignature(params + scalars + list(plan.trailing_args[len(scalars):]),
+                           CallingConvention.cutile_python_v2())
 
 
 def export_cubin(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
-                 mask: Optional[CompactMask | ModMask] = None, *, arch: str,
-                 kernel: str = "attention") -> bytes:
+                 mask: Optional[CompactMask | ModMask] = None, *, arch: str) -> bytes:
     """The cubin a launch of ``plan`` on these tensors compiles for ``arch`` (e.g. "sm_90"),
-    built without a GPU by cuTile's exporter: the attention kernel, or with ``kernel="merge"``
-    the merge of a plan that splits its keys."""
+    built without a GPU by cuTile's exporter."""
     import io
 
     from cuda.tile.compilation import export_kernel
 
-    attention, merge = export_signatures(plan, query, key, mask)
-    if kernel == "merge":
-        if merge is None:
-            raise ValueError("this plan does not split its keys: it launches no merge")
-        compiled, signature = plan.merge_kernel, merge
-    elif kernel == "attention":
-        compiled, signature = plan.kernel, attention
-    else:
-        raise ValueError(f"kernel must be 'attention' or 'merge', got {kernel!r}")
+    signature = export_signature(plan, query, key, mask)
     buffer = io.BytesIO()
-    _naming_the_mods(plan, export_kernel, compiled, [signature], buffer, gpu_code=arch,
+    _naming_the_mods(plan, export_kernel, plan.kernel, [signature], buffer, gpu_code=arch,
                      output_format="cubin")
     return buffer.getvalue()

@@ -1,8 +1,9 @@
-"""The cuTile kernel that merges key splits.
+"""The merge of a query tile's key splits, run by the attention kernel itself.
 
 When a call's keys are split over several blocks (``kv_splits`` > 1: decode, or any call with
 too few query tiles to fill the GPU), each block writes its slice's fp32 partial output ``O_s``
-and natural-log LSE ``lse_s``. This kernel combines them on the GPU:
+and natural-log LSE ``lse_s``, then counts itself in; the last of a query tile's blocks to
+arrive combines the slices (kernel.attention_forward_split):
 
     lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * O_s
 
@@ -10,38 +11,42 @@ Rows no slice saw (every ``lse_s`` is -inf) get 0 and -inf; a NaN in any slice r
 The partial results are ``(S, B * H, Sq, D)``, or with ``G_TILE`` > 1 ``(S, B * Hkv, Sq, group,
 D)`` (see kernel.py); the output has the attention kernel's layout without the split dim.
 
-One block merges ``ROWS`` query positions x ``G_TILE`` heads x ``CHUNK_D`` columns (grid: row
-tiles x head-dim chunks, heads, batch) and reads ``SPLIT_TILE`` slices per load, so a decode
-step's 30-60 slices take a load or two rather than a chain of one latency per slice.
+The merge takes ``MERGE_ROWS`` query positions x ``G_TILE`` heads x ``CHUNK_D`` columns at a
+time (``MERGE_ROWS`` at most the query's own length, so a decode step reads no padding rows) and reads
+``SPLIT_TILE`` slices per load, so a decode step's 30-60 slices take a load or two rather than
+a chain of one latency per slice.
 """
 
 import math
 
 import cuda.tile as ct
 
+from . import kernel_params as P
 from .tile_rows import store_lse, store_rows
 
-ConstInt = ct.Constant[int]
-ConstBool = ct.Constant[bool]
+
+def merge_query_tile(PartOut, PartLse, Out, Lse, splits, batch, head, part_row, m_tile,
+                     TILE_ROWS, G_TILE, M):
+    """Merges the slices of query tile ``m_tile`` (``TILE_ROWS`` positions; a multiple of
+    MERGE_ROWS) of head ``head`` and batch row ``batch``, whose partial results sit at
+    ``part_row``; row tiles past the query's end are skipped. ``M``: the MergeConstants."""
+    ROWS = M[P.MERGE_ROWS]
+    SPLIT_TILE = M[P.SPLIT_TILE]
+    CHUNK_D = M[P.CHUNK_D]
+    WRITE_LSE = M[P.MERGE_LSE]
+    seq_q = Out.shape[2]
+    first = m_tile * (TILE_ROWS // ROWS)
+    for rows in range(first, first + ct.cdiv(min(TILE_ROWS, seq_q - m_tile * TILE_ROWS), ROWS)):
+        for chunk in range(M[P.D_CHUNKS]):
+            _merge_rows(PartOut, PartLse, Out, Lse, splits, batch, head, part_row, rows, chunk,
+                        G_TILE, ROWS, SPLIT_TILE, CHUNK_D, WRITE_LSE)
 
 
-def merge_splits(
-    PartOut, PartLse, Out, Lse,
-    splits: int,
-    G_TILE: ConstInt,      # 1, or the packed query heads per position (kernel.py)
-    ROWS: ConstInt,        # query positions per tile
-    SPLIT_TILE: ConstInt,  # slices read per load
-    CHUNK_D: ConstInt,     # head-dim columns per block
-    D_CHUNKS: ConstInt,    # CHUNK_D * D_CHUNKS >= the head dim
-    WRITE_LSE: ConstBool,
-):
-    m_tile = ct.bid(0) // D_CHUNKS
-    chunk = ct.bid(0) % D_CHUNKS
-    head = ct.bid(1)
-    batch = ct.bid(2)
-    part_row = batch * ct.num_blocks(1) + head
+def _merge_rows(PartOut, PartLse, Out, Lse, splits, batch, head, part_row, m_tile, chunk,
+                G_TILE, ROWS, SPLIT_TILE, CHUNK_D, WRITE_LSE):
+    """One ``ROWS`` x ``G_TILE`` row tile's column chunk ``chunk`` (and its LSE with the
+    first chunk)."""
     TILE_M = ROWS * G_TILE
-
     top = ct.full((1, TILE_M), -math.inf, dtype=ct.float32)   # largest slice LSE so far
     total = ct.full((1, TILE_M), 0.0, dtype=ct.float32)       # sum of weights relative to it
     acc = ct.full((TILE_M, CHUNK_D), 0.0, dtype=ct.float32)
@@ -68,9 +73,6 @@ def merge_splits(
         shift = ct.where(top == -math.inf, 0.0, top).reshape((TILE_M, 1))
         lse = ct.where(empty, -math.inf, shift + ct.log(ct.where(empty, 1.0, total)))
         store_lse(Lse, batch, head, m_tile, lse, ROWS, G_TILE)
-
-
-merge_splits_kernel = ct.kernel(merge_splits)
 
 
 def _load_slices(Part, slab, part_row, m_tile, chunk, ROWS, G_TILE, SPLIT_TILE, CHUNK_D,

@@ -66,13 +66,13 @@ def launches(monkeypatch):
     (None, D ** -0.5, HKV, S),  # query heads packed by kv head
     (32, None, HKV, S),
     (None, None, HQ, S),        # no GQA: one head per tile
-    (None, None, HKV, 8192)])   # keys split over blocks, then merged (a second launch)
+    (None, None, HKV, 8192)])   # keys split over blocks, merged by the last (one launch)
 def test_later_layers_launch_what_the_full_path_would(launches, window, scaling, heads_kv,
                                                       seq):
     """Four layers sharing one TiledMask (decode, left padding): the first works the launch
     out (inference_call), the others repeat it on their own tensors; the launches equal those
     the op makes for the four calls (the adapter's full path), argument for argument, and each
-    layer's output is the array the kernel (or the merge) writes, in the layer's layout."""
+    layer's output is the array the kernel writes, in the layer's layout."""
     pad = torch.ones(B, seq, dtype=torch.long)
     pad[0, :5] = 0
     layer = Layer().eval()
@@ -91,26 +91,20 @@ def test_later_layers_launch_what_the_full_path_would(launches, window, scaling,
             tb.tiled_attention_forward(layer, q, k, v, shared, **kwargs)
         assert launches["full"] == 4
     full = launches["launch"]
-    per_layer = 2 if seq > S else 1
-    assert len(repeated) == len(full) == 4 * per_layer
+    assert len(repeated) == len(full) == 4
     for (grid, kernel, args), (grid_f, kernel_f, args_f) in zip(repeated, full):
         assert grid == grid_f and kernel is kernel_f
         assert _described(args) == _described(args_f)
-    for layer_index, ((q, k, v), out) in enumerate(zip(layers, outs)):
-        first = repeated[layer_index * per_layer]
-        last, last_f = repeated[layer_index * per_layer + per_layer - 1], \
-            full[layer_index * per_layer + per_layer - 1]
+    for (q, k, v), out, (_, _, args), (_, _, args_f) in zip(layers, outs, repeated, full):
         # the layer's own query (a packed view of it), keys and values
-        args, args_f = first[2], full[layer_index * per_layer][2]
         assert args[0].data_ptr() == q.data_ptr() and args[1] is k and args[2] is v
         assert args_f[0].data_ptr() == q.data_ptr()
-        # the output: the attention kernel's (or the merge's) output array, seen as (B, Sq, Hq, D)
+        # the output: the kernel's output array, seen as (B, Sq, Hq, D)
         assert out.shape == (B, 1, HQ, D) and out.is_contiguous()
-        out_arg = last[2][3 if per_layer == 1 else 2]
-        assert out_arg.data_ptr() == out.data_ptr()
-        assert out_arg.stride() == last_f[2][3 if per_layer == 1 else 2].stride()
-    if per_layer == 2:  # the key splits' workspace: one, kept for every layer
-        assert len({launch[2][3].data_ptr() for launch in repeated[::2]}) == 1
+        assert args[3].data_ptr() == out.data_ptr() and args[3].stride() == args_f[3].stride()
+    if seq > S:  # the key splits' workspace and counts: one, kept for every layer
+        for array in (9, 10, 11):
+            assert len({args[array].data_ptr() for _, _, args in repeated}) == 1
 
 
 def test_a_repeat_on_another_stream_is_launched_afresh(launches, monkeypatch):

@@ -15,8 +15,10 @@ from eval.inspect_cubin import backward_cubins, compile_cubin, report  # noqa: E
 @pytest.mark.parametrize("head_dim, causal, seq_q, heads", [
     (128, False, 4096, (32, 8)), (128, True, 4096, (32, 8)), (64, True, 4096, (32, 8)),
     (256, False, 4096, (32, 8)), (80, False, 4096, (32, 8)), (96, True, 4096, (32, 8)),
-    # decode: the packed group tile keeps the warpgroup MMA (one query x 4 heads, 16 x 8 heads)
+    # decode: the packed group tile keeps the warpgroup MMA (one query x 4 heads, 16 x 8 heads,
+    # 5 x 8 heads), and the split entry's merge does not spill
     (128, True, 1, (32, 8)), (64, True, 1, (32, 8)), (128, True, 16, (32, 4)),
+    (128, True, 5, (32, 4)),
 ])
 def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causal, seq_q, heads):
     info = report(compile_cubin(arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,

@@ -19,8 +19,8 @@ import torch
 
 import hf_tiled_attention as hta
 
-from hf_tiled_attention.kernel_params import AttentionConstants
-from hf_tiled_attention.launch import MergeConstants, export_cubin, plan_launch
+from hf_tiled_attention.kernel_params import AttentionConstants, MergeConstants
+from hf_tiled_attention.launch import export_cubin, plan_launch
 from hf_tiled_attention.masks import compact_mask
 from hf_tiled_attention.schedule import Schedule, resolve_schedule
 
@@ -108,8 +108,6 @@ def _cases():
 def test_kernel_compiles_to_cubin(arch, dtype, head_dim, options):
     plan, tensors = _plan(dtype, head_dim, **options)
     assert export_cubin(plan, *tensors, arch=arch)[:4] == b"\x7fELF"
-    if plan.kv_splits > 1:
-        assert export_cubin(plan, *tensors, arch=arch, kernel="merge")[:4] == b"\x7fELF"
 
 
 def _constant_params(fn) -> list:
@@ -120,19 +118,21 @@ def _constant_params(fn) -> list:
 def test_constants_are_declared_once():
     """The attention kernels (forward, the two backward ones) take their constants as one
     AttentionConstants tuple (the last parameter) and every declared field is read by one of
-    them; the merge takes its few by position."""
-    from hf_tiled_attention import backward_kernel, kernel
-    from hf_tiled_attention.merge import merge_splits
-    for entry in (kernel.attention_forward, backward_kernel.attention_backward_kv,
-                  backward_kernel.attention_backward_q):
+    them; the forward's split entry takes a MergeConstants tuple M after it, every field of
+    which the merge reads."""
+    from hf_tiled_attention import backward_kernel, kernel, merge
+    for entry in (kernel.attention_forward, kernel.attention_forward_lean,
+                  backward_kernel.attention_backward_kv, backward_kernel.attention_backward_q):
         assert _constant_params(entry) == ["C"]
         assert list(inspect.signature(entry).parameters)[-1] == "C"
     source = inspect.getsource(kernel) + inspect.getsource(backward_kernel)
     unread = [name for name in AttentionConstants._fields if f"C[P.{name}]" not in source]
     assert not unread, f"declared but never read by the kernels: {unread}"
-    constants = _constant_params(merge_splits)
-    assert tuple(constants) == MergeConstants._fields
-    assert list(inspect.signature(merge_splits).parameters)[-len(constants):] == constants
+    assert _constant_params(kernel.attention_forward_split) == ["C", "M"]
+    assert list(inspect.signature(kernel.attention_forward_split).parameters)[-2:] == ["C", "M"]
+    source = inspect.getsource(merge)
+    unread = [name for name in MergeConstants._fields if f"M[P.{name}]" not in source]
+    assert not unread, f"declared but never read by the merge: {unread}"
 
 
 def test_decode_plan_packs_rows_and_splits_keys():
@@ -140,10 +140,11 @@ def test_decode_plan_packs_rows_and_splits_keys():
     # 64 rows = 16 positions x 4 heads; 8 kv heads x batch 2 = 16 blocks would take 17 splits to
     # fill 132 SMs x 2, but 8 key tiles of 128 make at most 4 splits of 2 tiles
     assert plan.variant.g_tile == 4 and plan.variant.tile_m == 64
-    assert plan.kv_splits == 4 and plan.grid == (4, 8, 2)
-    # the merge: one position x 4 heads per block, two 64-column chunks, all 4 slices at once
-    assert (plan.merge.ROWS, plan.merge.G_TILE, plan.merge.SPLIT_TILE, plan.merge.CHUNK_D) == \
-        (1, 4, 4, 64) and plan.merge_grid == (2, 8, 2)
+    assert plan.kv_splits == 4 and plan.grid == (4, 8, 2) and plan.entry == "split"
+    # the merge: one position x 4 heads at a time, two 64-column chunks, all 4 slices at once
+    assert (plan.merge.MERGE_ROWS, plan.merge.SPLIT_TILE, plan.merge.CHUNK_D,
+            plan.merge.D_CHUNKS) == (1, 4, 64, 2)
+    assert plan.views.arrivals == (2, 8, 1)  # a count per (batch row, kv head, query tile)
     headed, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask="additive_heads"))
     assert headed.variant.g_tile == 1  # a per-head mask keeps one head per block
     wide, _ = _plan(torch.bfloat16, 128, **dict(DECODE, seq_q=16, heads_kv=4))
@@ -163,7 +164,7 @@ def test_decode_splits_fill_the_gpu():
     long = plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
                        diag_offset=131071, schedule=schedule, return_lse=False, sm_count=132)
     assert long.kv_splits == 33 and long.grid == (33, 8, 1)   # one wave of 264 blocks
-    assert long.merge.SPLIT_TILE == 32   # 33 slices in two loads
+    assert long.merge.SPLIT_TILE == 16   # 33 slices in three loads
     big_batch = plan_launch(q.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1), None,
                             causal=True, scale=0.1, window=None, softcap=None,
                             diag_offset=131071, schedule=schedule, return_lse=False,
@@ -231,15 +232,19 @@ def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     q, k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
     first = launch.launch_arrays(plan, q, k, k, None, keep_for_stream=0)
     again = launch.launch_arrays(plan, q, k, k, None, keep_for_stream=0)
-    # The merge's inputs (partial outputs and LSEs) are the same memory call after call, laid
-    # out as a fresh workspace would be; the output is new every call.
-    fresh = launch.launch_arrays(plan, q, k, k, None).merge[:2]
-    for kept, repeat, new in zip(first.merge[:2], again.merge[:2], fresh):
+    # The split launch's partial outputs, LSEs and arrival counts are the same memory call after
+    # call, laid out as a fresh workspace would be; the output is new every call. The counts
+    # start at zero (the kernel leaves them so).
+    fresh = launch.launch_arrays(plan, q, k, k, None).attention[9:]
+    assert len(fresh) == 3 and len(first.attention) == 12
+    for kept, repeat, new in zip(first.attention[9:], again.attention[9:], fresh):
         assert kept.data_ptr() == repeat.data_ptr() != new.data_ptr()
-        assert (kept.shape, kept.stride(), kept.storage_offset()) == \
-            (new.shape, new.stride(), new.storage_offset())
+        assert (kept.shape, kept.stride(), kept.storage_offset(), kept.dtype) == \
+            (new.shape, new.stride(), new.storage_offset(), new.dtype)
+    arrivals = first.attention[11]
+    assert arrivals.dtype == torch.int32 and arrivals.shape == plan.views.arrivals
+    assert not arrivals.any() and not fresh[2].any()
     assert first.out.data_ptr() != again.out.data_ptr()
-    assert first.attention[3] is first.merge[0]  # the kernel writes what the merge reads
     # Another plan gets its own; past the byte budget the kept ones are dropped, not grown.
     other, _ = _plan(torch.bfloat16, 128, **dict(DECODE, mask=None, heads_kv=4))
     launch.launch_arrays(other, q, k[:, :4], k[:, :4], None, keep_for_stream=0)
@@ -249,7 +254,7 @@ def test_split_workspace_is_reused_per_plan_and_stream(monkeypatch):
     kept = launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
     assert _kept_workspaces() == 1
     again = launch.launch_arrays(third, q, k[:, :2], k[:, :2], None, keep_for_stream=0)
-    assert again.merge[0].data_ptr() == kept.merge[0].data_ptr()
+    assert again.attention[9].data_ptr() == kept.attention[9].data_ptr()
 
 
 def test_only_eager_calls_keep_device_memory():

@@ -163,6 +163,30 @@ def test_forced_key_splits_agree(splits):
         check_case(case, torch.bfloat16, schedule=Schedule(kv_splits=splits))
 
 
+@pytest.mark.parametrize("seq_kv", [8192, 1000])
+def test_split_merge_call_after_call(seq_kv):
+    """The last block of a query tile to finish merges its slices (an atomic count per tile,
+    set back to zero by that block; launch.py keeps the counts and partials for the next call):
+    300 eager calls in a row, each bitwise equal to the first (the merge reads the slices in
+    order, whichever block arrives last), which matches the definition; at 8k keys the table
+    splits B=1's 8 kv heads 16 ways or more; at 1000 keys, 7 forced splits, two of which see
+    no key in batch row 1."""
+    short = seq_kv < 4096  # (batch row 1 of the key-padding mask hides its first third)
+    case = Case(batch=2 if short else 1, heads_q=32, heads_kv=8, seq_q=1, seq_kv=seq_kv,
+                head_dim=128, causal=True, mask="bool_keypad" if short else None)
+    schedule = Schedule(kv_splits=7) if short else None
+    q, k, v, mask = make_inputs(case, "cuda", torch.bfloat16)
+    kwargs = dict(return_lse=True, schedule=schedule, **op_kwargs(case, "cuda"))
+    first, first_lse = hta.tiled_attention(q, k, v, mask, **kwargs)
+    want_out, want_lse = definition(q, k, v, mask, **op_kwargs(case, "cuda"))
+    assert_matches_definition(first, first_lse, want_out, want_lse,
+                              atol=TOLERANCE[torch.bfloat16], lse_atol=1e-2)
+    outs = [hta.tiled_attention(q, k, v, mask, **kwargs) for _ in range(300)]
+    torch.cuda.synchronize()
+    for out, lse in outs:
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
 def test_long_sequence_gqa_causal_window():
     check_case(Case(batch=1, heads_q=8, heads_kv=2, seq_q=2048, seq_kv=2048, head_dim=128,
                     causal=True, window=300), torch.bfloat16)
