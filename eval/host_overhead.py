@@ -172,8 +172,7 @@ def main(argv=None) -> int:
     paths = dict(tiled_paths)
     paths.update({
         "bare ct.launch": lambda: ct.launch(stream, plan.grid, kernel,
-                                            arrays.attention + plan.scalars
-                                            + (plan.variant.constant_values,)),
+                                            arrays.attention + plan.trailing_args),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal_sdpa,
                                                        enable_gqa=True),
         "transformers sdpa": lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
