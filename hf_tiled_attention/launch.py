@@ -496,8 +496,8 @@ class LaunchArrays(NamedTuple):
 def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, mask: Optional[CompactMask | ModMask],
                   keep_for_stream: Optional[int] = None) -> LaunchArrays:
-    """The arrays of one launch. Works on meta tensors too, which
-    is how :func:`export_signatures` sees exactly the arrays a real launch passes.
+    """The arrays of one launch. Works on meta tensors too, which is how
+    :func:`export_signature` sees exactly the arrays a real launch passes.
     ``keep_for_stream``: set (the stream's raw handle) when the call may keep device memory
     (memo.may_keep_device_memory): its placeholders, block tables and key-split workspace are
     then kept for the next calls on that stream; None: everything is made for this call."""
@@ -546,10 +546,11 @@ def _grouped_strides(stride: tuple, pack: int) -> tuple:
 def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: Optional[CompactMask | ModMask], *, eager: bool = True,
                keep: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Launches the attention kernel on the current stream; returns ``(out, lse)``, ``lse`` None unless the plan asks for it. ``eager=False``
-    for the registered op's calls, which keep no device memory (memo.may_keep_device_memory:
-    torch.compile's CUDA graphs warm up and record them with allocations routed to a graph's
-    memory pool); ``keep``: that answer, when the caller has it already."""
+    """Launches the attention kernel on the current stream; returns ``(out, lse)``, ``lse``
+    None unless the plan asks for it. ``eager=False`` for the registered op's calls, which keep
+    no device memory (memo.may_keep_device_memory: torch.compile's CUDA graphs warm up and
+    record them with allocations routed to a graph's memory pool); ``keep``: that answer, when
+    the caller has it already."""
     import cuda.tile as ct
 
     device = query.device

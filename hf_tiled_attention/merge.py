@@ -12,9 +12,9 @@ The partial results are ``(S, B * H, Sq, D)``, or with ``G_TILE`` > 1 ``(S, B * 
 D)`` (see kernel.py); the output has the attention kernel's layout without the split dim.
 
 The merge takes ``MERGE_ROWS`` query positions x ``G_TILE`` heads x ``CHUNK_D`` columns at a
-time (``MERGE_ROWS`` at most the query's own length, so a decode step reads no padding rows) and reads
-``SPLIT_TILE`` slices per load, so a decode step's 30-60 slices take a load or two rather than
-a chain of one latency per slice.
+time (``MERGE_ROWS`` at most the query's own length, so a decode step reads no padding rows)
+and reads ``SPLIT_TILE`` slices per load, so a decode step's 30-60 slices take a few loads
+rather than a chain of one latency per slice.
 """
 
 import math
