@@ -15,9 +15,9 @@ for v in softcap softcap-mod alibi-learnable t5-bias-learnable; do
     --warmup 0 --reps 1 --out $W/$v > $W/$v.log 2>&1 &
 done
 # the shapes call 2 profiles (same heads, so the same kernels): D=128 both, D=64 fast mode
-timeout 280 python eval/results/nvidia-h200/backward/session25/dev-calls/precompile.py 128 1 fast > $W/pc128c.log 2>&1 &
-timeout 280 python eval/results/nvidia-h200/backward/session25/dev-calls/precompile.py 128 0 fast > $W/pc128n.log 2>&1 &
-timeout 280 python eval/results/nvidia-h200/backward/session25/dev-calls/precompile.py 64 0 fast > $W/pc64n.log 2>&1 &
+timeout 280 python eval/results/nvidia-h200/backward/session23/dev-calls/precompile.py 128 1 fast > $W/pc128c.log 2>&1 &
+timeout 280 python eval/results/nvidia-h200/backward/session23/dev-calls/precompile.py 128 0 fast > $W/pc128n.log 2>&1 &
+timeout 280 python eval/results/nvidia-h200/backward/session23/dev-calls/precompile.py 64 0 fast > $W/pc64n.log 2>&1 &
 timeout 280 python eval/backward_bench.py --preset variants-4k --variants documents \
   --backends tiled --warmup 0 --reps 1 --out $W/documents > $W/documents.log 2>&1 &
 wait; echo "warm $(( $(date +%s)-t0 )) s"; tail -n 2 $W/*.log > $R/warm.txt
