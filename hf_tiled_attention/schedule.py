@@ -39,8 +39,9 @@ class Schedule:
         k_latency: load latency hint for K tiles (1 low .. 10 high DRAM traffic).
         v_latency: load latency hint for V tiles.
         heavy_first: with causal masking, launch the query tiles with the most keys first.
-        kv_splits: blocks that share one query tile's keys, merged afterwards by their LSE
-            (1 = never; 0 = automatic: split only when the query tiles cannot fill the GPU).
+        kv_splits: blocks that share one query tile's keys, merged by their LSE by the last
+            of them to finish, in the same launch (1 = never; 0 = automatic: split only when
+            the query tiles cannot fill the GPU).
             Applies to queries of at most DECODE_QUERY_ROWS (16) rows; longer ones never split
             (their merge faulted on the H200 for some shapes; perf-notes step 18).
         pack_gqa: short queries (at most 16 rows, decode) with GQA/MQA: a tile's rows are the
