@@ -12,9 +12,10 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 * ``tokens_per_s``: new tokens per second after the first, ``batch * (new_tokens - 1)`` over the
   median time of the full call minus the time to first token (the decode steps);
 * ``vs_sdpa``, ``vs_sdpa_low``, ``vs_sdpa_high``: the median over reps of the backend's
-  tokens/s over sdpa's in the same rep, and a 95% interval for it (common.median_interval;
-  blank under 6 reps). Whether a difference is more than the host's noise: an interval that
-  holds 1.0 does not tell the two apart.
+  tokens/s over sdpa's in the same rep (a rep's tokens/s: its full call's time minus the median
+  time to first token), and a 95% interval for it (common.median_interval; blank under 6
+  reps). Whether a difference is more than the host's noise: an interval that holds 1.0 does
+  not tell the two apart.
 
 The backends take turns rep by rep, so slow phases of the host fall on all of them alike (and
 each rep's ratio compares runs seconds apart).
@@ -85,9 +86,12 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
             if ids.is_cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            timings = [(timed_generate(models[name], ids, 1, cache),
-                        timed_generate(models[name], ids, new_tokens, cache))
-                       for _ in range(count)]
+            timings = []
+            for _ in range(count):
+                # The full run first: without a warm-up the first call's one-time costs fall
+                # on it, not on the prefill subtracted from it.
+                full = timed_generate(models[name], ids, new_tokens, cache)
+                timings.append((timed_generate(models[name], ids, 1, cache), full))
             if ids.is_cuda:
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**30)
             return timings
@@ -104,19 +108,26 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
                     firsts[name].append(first)
                     fulls[name].append(full)
 
-    def rate(first, full):
-        return ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
+    ran = [name for name in models if name not in failed]
+    prefill = {name: statistics.median(firsts[name]) for name in ran}
 
-    rates = {name: [rate(*pair) for pair in zip(firsts[name], fulls[name])]
-             for name in models if name not in failed}
+    def rate(name, full):
+        # The median prefill, not the rep's own: one slow prefill sample (a busy host) would
+        # leave a rep's decode time near zero and its rate absurd.
+        decode = full - prefill[name]
+        if decode <= 0:
+            raise RuntimeError(f"generate: {name}'s {new_tokens}-token run took no longer than "
+                               "its prefill; raise --new-tokens")
+        return ids.shape[0] * (new_tokens - 1) / decode
+
+    rates = {name: [rate(name, full) for full in fulls[name]] for name in ran}
     results = {}
     for name in models:
         if name in failed:
             results[name] = failed[name]
             continue
-        first = statistics.median(firsts[name])
-        results[name] = (first * 1e3, rate(first, statistics.median(fulls[name])), peaks[name],
-                         paired_ratio(rates, name))
+        results[name] = (prefill[name] * 1e3, rate(name, statistics.median(fulls[name])),
+                         peaks[name], paired_ratio(rates, name))
     return results
 
 
