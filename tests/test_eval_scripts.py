@@ -87,8 +87,11 @@ def test_prefill_cpu(tmp_path):
 
 def test_generate_cpu(tmp_path):
     from eval import generate_throughput
-    assert generate_throughput.main(["--new-tokens", "4", "--batch", "2", "--prompt", "24",
-                                     "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    # (48 new tokens, a warm-up and 3 reps, the prefill their median: a full run must outlast
+    # it beyond a busy runner's jitter, or the script refuses the rate; 4 tokens in one rep
+    # without a warm-up once did not)
+    assert generate_throughput.main(["--new-tokens", "48", "--batch", "2", "--prompt", "24",
+                                     "--reps", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "generate.csv")
     assert list(rows[0]) == generate_throughput.COLUMNS
     assert {(r["backend"], r["cache"]) for r in rows} == {
@@ -106,9 +109,9 @@ def test_generate_cpu(tmp_path):
 def test_generate_points_cpu(tmp_path):
     """--points runs the named (batch, prompt) pairs only, not their cross product."""
     from eval import generate_throughput
-    assert generate_throughput.main(["--new-tokens", "3", "--points", "1x20", "2x12", "--cache",
-                                     "dynamic", "--backends", "tiled", "--reps", "1",
-                                     "--warmup", "0", "--out", str(tmp_path)]) == 0
+    assert generate_throughput.main(["--new-tokens", "48", "--points", "1x20", "2x12", "--cache",
+                                     "dynamic", "--backends", "tiled", "--reps", "3",
+                                     "--warmup", "1", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "generate.csv")
     assert [(r["batch"], r["prompt"]) for r in rows] == [("1", "20"), ("2", "12")]
     for bad in (["--points", "8by2048"], ["--points", "0x16"],
@@ -143,8 +146,9 @@ def test_generate_ratio_to_sdpa_per_rep(tmp_path):
         1.1, None)
     assert generate_throughput.paired_ratio({"tiled": [1.0]}, "tiled") is None
     # (A rep's decode time is its full run's minus the median prefill: with the rep's own
-    # prefill, one slow sample on a busy CI runner once left it near 0 and the rate absurd.)
-    assert generate_throughput.main(["--new-tokens", "16", "--points", "1x12", "--cache",
+    # prefill, one slow sample on a busy CI runner once left it near 0 and the rate absurd.
+    # 48 tokens keep it well above that runner's jitter.)
+    assert generate_throughput.main(["--new-tokens", "48", "--points", "1x12", "--cache",
                                      "dynamic", "--backends", "tiled", "sdpa", "--reps", "6",
                                      "--warmup", "0", "--out", str(tmp_path)]) == 0
     tiled, sdpa = read_csv(tmp_path / "generate.csv")
