@@ -343,10 +343,11 @@ def run_backend(backend: str, base: dict, spec: dict, tensors: tuple, want: tupl
     for p, row in rows.items():
         row["status"] = "ok"
         writer.add(row)
+        back_to_back = (f" (back to back {row['gpu_tflops']} TF/s)"
+                        if row.get("gpu_tflops") else "")
         print(f"  {variant:14s} {dtype} B{batch} S{seq} {heads} D{head_dim} "
               f"causal={base['causal']} {backend:14s} {p}: {row['ms']} ms "
-              f"{row['tflops']} TF/s (back to back {row.get('gpu_tflops', '-')}) "
-              f"err {row['max_err']}", flush=True)
+              f"{row['tflops']} TF/s{back_to_back} err {row['max_err']}", flush=True)
 
 
 POINT = ("variant", "dtype", "batch", "heads_q", "heads_kv", "seq", "head_dim", "causal")

@@ -268,12 +268,30 @@ def main(argv=None) -> int:
                         row.update(vs_sdpa_low=f"{interval[0]:.3f}",
                                    vs_sdpa_high=f"{interval[1]:.3f}")
             results.add(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
+            print(_console_line(row), flush=True)
         if on_gpu:
             torch.cuda.empty_cache()
     csv_path = results.finish(extra={"dtype": str(dtype)})
     print(f"csv: {csv_path}\nplot: {plot(results.rows, out_dir)}")
     return 0
+
+
+def _console_line(row: dict) -> str:
+    """A row as a reader can check it: the tokens/s is the median over reps, and the ratio to
+    sdpa the median of each rep's own ratio (the backends take turns rep by rep), which need
+    not equal the ratio of the two medians."""
+    point = (f"generate {row['model']} {row['cache']} b{row['batch']} p{row['prompt']} "
+             f"+{row['new_tokens']} {row['backend']:8s}")
+    if row["status"] != "ok":
+        return f"{point} {row['status']}: {row['reason']}"
+    line = f"{point} {row['tokens_per_s']} tokens/s (median of reps), ttft {row['ttft_ms']} ms"
+    if row["peak_gib"]:
+        line += f", peak {row['peak_gib']} GiB"
+    if row["vs_sdpa"]:
+        line += f"; vs sdpa, the median of per-rep ratios: {row['vs_sdpa']}x"
+        if row["vs_sdpa_low"]:
+            line += f" (95% interval {row['vs_sdpa_low']}-{row['vs_sdpa_high']})"
+    return line
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ COLUMNS = ["backend", "dtype", "batch", "heads_q", "heads_kv", "seq_q", "seq_kv"
            "gpu_kv_tbs", "max_err", "status", "reason"]
 L2_BYTES = 60 * 2**20
 # SDPA backends with GPU kernels only.
+CUDA_ONLY = "runs on CUDA only"
 CUDA_ONLY_BACKENDS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 # Named sweeps; explicit flags still override them. Each writes to its own results subfolder.
 PRESETS = {
@@ -185,7 +186,7 @@ def run_point(dtype, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal, 
                    schedule=(schedule or hta.Schedule()).label(), ms="", tflops="", gpu_ms="",
                    gpu_tflops="", gpu_kv_tbs="", max_err="", status="ok", reason="")
         if backend in CUDA_ONLY_BACKENDS and device == "cpu":
-            row.update(status="unsupported", reason="runs on CUDA only")
+            row.update(status="unsupported", reason=CUDA_ONLY)
             yield row
             continue
         fn = make_call(backend, causal, schedule, window, key_mask, visible)
@@ -380,7 +381,8 @@ def main(argv=None) -> int:
     for point in points:
         for row in run_point(*point, runs, args):
             results.add(row)
-            print(console_line(row), flush=True)
+            if row["reason"] != CUDA_ONLY:  # (said once, before the sweep)
+                print(console_line(row), flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     csv_path = results.finish()

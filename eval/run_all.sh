@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 if [ -z "${SKIP_INSTALL:-}" ]; then
   bash .ci/install.sh
   . .venv/bin/activate
+elif ! python -c "import torch, transformers, hf_tiled_attention" 2>/dev/null; then
+  echo "run_all: SKIP_INSTALL=1 runs the current Python ($(command -v python || echo none))," \
+    "which cannot import torch, transformers and hf_tiled_attention: activate the project's" \
+    "environment first (. .venv/bin/activate, made by bash .ci/install.sh), or run without" \
+    "SKIP_INSTALL to install it" >&2
+  exit 1
 fi
 # Public-domain texts (Canterbury corpus, shipped in brotli's source archive), unless staged.
 texts=eval/data
@@ -38,11 +44,11 @@ python eval/context_parallel_balance.py || failed+=(context_parallel_balance)
 # Context parallelism over the host's GPUs; without two, a smoke run on 2 CPU processes (gloo).
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
-  python -m torch.distributed.run --nproc-per-node "$gpus" eval/context_parallel.py \
-    || failed+=(context_parallel)
+  python -m torch.distributed.run --nproc-per-node "$gpus" eval/context_parallel_throughput.py \
+    || failed+=(context_parallel_throughput)
 else
   CUDA_VISIBLE_DEVICES="" python -m torch.distributed.run --nproc-per-node 2 \
-    eval/context_parallel.py || failed+=(context_parallel)
+    eval/context_parallel_throughput.py || failed+=(context_parallel_throughput)
 fi
 if [ ${#failed[@]} -gt 0 ]; then echo "run_all: failed: ${failed[*]}" >&2; exit 1; fi
 echo "run_all: all evals done; results in eval/results/"

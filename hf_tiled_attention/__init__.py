@@ -1,9 +1,11 @@
-"""hf-tiled-attention: a cuTile (CUDA Tile) scaled-dot-product-attention forward kernel for
-PyTorch, with a schedule you edit from Python."""
+"""hf-tiled-attention: scaled-dot-product attention in cuTile (CUDA Tile) kernels, forward and
+backward, for PyTorch and transformers (``attn_implementation="tiled"``), with a schedule and
+the attention itself (score_mod / mask_mod) edited from Python."""
 
 import importlib.util as _importlib_util
 
-from . import context_parallel  # noqa: F401  (shard_batch, context_parallel: several GPUs)
+from .batch_sharding import ShardedBatch, shard_batch
+from .context_parallel import context_parallel  # (the function, over its module's name)
 from .determinism import deterministic, set_deterministic
 from .memo import cache_sizes, clear_caches
 from .op import kernel_available, tiled_attention
@@ -27,8 +29,8 @@ else:
         """Register the transformers backend (needs transformers >= 5.17)."""
         raise ImportError("hf_tiled_attention.register needs the `transformers` package")
 
-__all__ = ["Schedule", "SequenceLayout", "SequenceShards", "cache_sizes", "clear_caches",
-           "context_parallel", "default_schedule", "deterministic", "kernel_available",
-           "register", "set_deterministic", "sharded_attention", "tiled_attention",
-           "use_schedule"]
+__all__ = ["Schedule", "SequenceLayout", "SequenceShards", "ShardedBatch", "cache_sizes",
+           "clear_caches", "context_parallel", "default_schedule", "deterministic",
+           "kernel_available", "register", "set_deterministic", "shard_batch",
+           "sharded_attention", "tiled_attention", "use_schedule"]
 __version__ = "0.1.0"

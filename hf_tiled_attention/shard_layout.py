@@ -19,6 +19,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .documents import document_bounds
+
 
 class Run(NamedTuple):
     """Consecutive global positions ``start .. end - 1`` held at local rows from
@@ -187,21 +189,6 @@ def check_divisible(seq_len: int, world_size: int, chunks_per_rank: int) -> None
             f"the sequence length must be a multiple of {multiple} ({world_size} ranks x "
             f"{chunks_per_rank} chunks per rank), got {seq_len}: pad the batch to a multiple "
             f"of {multiple} (e.g. the collator's pad_to_multiple_of={multiple})")
-
-
-def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position, over the rows of ``document_ids`` ``(B, S)``: the earliest start and the
-    latest end (exclusive) of the documents that hold it. Documents are runs of equal ids."""
-    ids = document_ids
-    seq_len = ids.shape[-1]
-    pos = torch.arange(seq_len, device=ids.device).expand_as(ids)
-    new = torch.ones_like(ids, dtype=torch.bool)
-    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    start = torch.where(new, pos, 0).cummax(dim=1).values
-    last = torch.ones_like(new)
-    last[:, :-1] = new[:, 1:]
-    end = torch.where(last, pos + 1, seq_len).flip(1).cummin(dim=1).values.flip(1)
-    return start.min(dim=0).values, end.max(dim=0).values
 
 
 def position_work(seq_len: int, document_ids: Optional[torch.Tensor] = None, *,

@@ -16,15 +16,17 @@ key exchange in reverse.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from .checks import check_inputs, check_options, check_sinks
+from .documents import document_bounds, key_documents, same_document
 from .key_exchange import ExchangePlan, KeyRule, exchange_keys, plan_exchange
 from .op import checked_mods, attention
-from .shard_layout import SequenceLayout, document_bounds
+from .shard_layout import SequenceLayout
 from .variants import and_masks
 
 
@@ -34,12 +36,14 @@ class SequenceShards:
     ``group`` that holds the other shards (None: one process playing a rank, see
     :func:`attend_runs`); the whole sequence's ``document_ids`` ``(B or 1, S)`` (packed
     documents: runs of equal ids; a negative id is in no document and sees nothing) and
-    ``key_padding`` ``(B, S)`` bool (False: no query sees that key), or None."""
+    ``key_padding`` ``(B, S)`` bool (False: no query sees that key), or None. ``calls``: the
+    attention calls made over these shards so far."""
     layout: SequenceLayout
     rank: int
     group: object = None
     document_ids: Optional[torch.Tensor] = None
     key_padding: Optional[torch.Tensor] = None
+    calls: int = field(default=0, init=False)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -77,9 +81,26 @@ class SequenceShards:
         """This rank's rows of a whole-sequence tensor along ``dim``."""
         return self.layout.shard(tensor, self.rank, dim)
 
+    def lay_out(self, tensor: torch.Tensor) -> None:
+        """Record ``tensor`` (a model input made of this rank's rows, e.g. its
+        ``position_ids``) as laid out by these shards: see :meth:`owner`."""
+        _laid_out[id(tensor)] = (weakref.ref(tensor, lambda _, key=id(tensor): _laid_out.pop(
+            key, None)), weakref.ref(self))
+
+    @staticmethod
+    def owner(tensor) -> Optional["SequenceShards"]:
+        """The shards that laid ``tensor`` out (:meth:`lay_out`), or None: an attention call
+        given such an input must attend over them, not within the rank's rows alone."""
+        entry = _laid_out.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]()
+
     @torch.compiler.disable  # host work on ints: run eagerly, outside a compiled region
     def plan(self, causal: bool, window: Optional[int], device: torch.device) -> ExchangePlan:
-        """The key exchange of a layer with this rule (every layer with it shares one)."""
+        """The key exchange of a call with this rule (every layer with it shares one); counts
+        the call in ``calls``."""
+        self.calls += 1
         key = ("plan", causal, window, device)
         if key not in self._memo:
             doc_start = doc_end = None
@@ -88,6 +109,10 @@ class SequenceShards:
             rule = KeyRule(causal, window, doc_start, doc_end)
             self._memo[key] = plan_exchange(self.layout, self.rank, rule).to(device)
         return self._memo[key]
+
+
+# Tensors laid out by shards, by id: (weak reference to the tensor, to its shards).
+_laid_out: dict = {}
 
 
 def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -192,14 +217,8 @@ def _global_masks(shards: SequenceShards, query_start: int, key_start: int, key_
     padding = _batched(shards.key_padding, batch, device)
     if shards.document_ids is not None:
         query_docs = _batched(shards.document_ids, batch, device).to(torch.int32)
-        key_docs = torch.where(query_docs < 0, -2, query_docs)  # in no document: seen by none
-        if padding is not None:
-            key_docs = torch.where(padding, key_docs, -2)
-        query_docs, key_docs = query_docs.contiguous(), key_docs.contiguous()
-
-        def same_document(b, h, q_idx, kv_idx):
-            return query_docs[b, q_idx + offsets[0]] == key_docs[b, kv_idx + offsets[1]]
-        parts.append(same_document)
+        key_docs = key_documents(query_docs, padding)
+        parts.append(same_document(query_docs.contiguous(), key_docs.contiguous(), offsets))
     elif padding is not None and parts:
         padding = padding.contiguous()
 

@@ -19,12 +19,14 @@ same-document mask_mod over per-token ids (O(S) memory), under torch.compile too
 from __future__ import annotations
 
 import operator
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .checks import check_inputs, check_sinks
-from .context_parallel import active_shards, transformers_attention
+from .context_parallel import active_shards, check_laid_out, transformers_attention
+from .documents import (documents_from_cu_seq_lens, documents_from_positions, key_documents,
+                        same_document, same_document_dense)
 from .masks import CompactMask, compact_mask
 from .memo import may_keep_device_memory
 from .mods import CompiledMods, compile_mods, mods_from_key
@@ -33,7 +35,7 @@ from .op import inference_call
 from .transformers_mask import TiledMask, tiled_mask
 from .variants import and_masks
 
-__all__ = ["TiledMask", "register", "tiled_attention_forward", "tiled_mask"]
+__all__ = ["TiledMask", "is_tiled", "register", "tiled_attention_forward", "tiled_mask"]
 
 DEFAULT_NAME = "tiled"
 # Arguments that change what attention computes, for which the kernel has no mode: (name, what
@@ -55,6 +57,14 @@ def register(name: str = DEFAULT_NAME) -> str:
     AttentionInterface.register(name, tiled_attention_forward)
     AttentionMaskInterface.register(name, tiled_mask)
     return name
+
+
+def is_tiled(implementation) -> bool:
+    """Whether ``implementation`` (a config's ``_attn_implementation``) is registered as
+    "tiled" under its own or another name (:func:`register`)."""
+    from transformers import AttentionInterface
+    return isinstance(implementation, str) and \
+        AttentionInterface().get(implementation) is tiled_attention_forward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,9 +95,10 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout and getattr(module, "training", False):
         raise ValueError(
             f"attn_implementation='tiled' has no attention dropout, but the module is in "
-            f"training mode with dropout={dropout}. To train with 'tiled', set the config's "
-            "attention_dropout to 0.0 (most recent models train without it); for inference "
-            "call model.eval(); to keep attention dropout, use attn_implementation='sdpa'.")
+            f"training mode with dropout={dropout}. To train with 'tiled', set "
+            f"{_dropout_setting(module, dropout)} to 0.0 (most recent models train without "
+            "it); for inference call model.eval(); to keep attention dropout, use "
+            "attn_implementation='sdpa'.")
     for name, what, instead in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attn_implementation='tiled' does not support {what}; use "
@@ -95,6 +106,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     check_inputs(query, key, value)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss's learned sinks, one per head
     check_sinks(sinks, query)
+    check_laid_out(kwargs.get("position_ids"))
     shards = active_shards()
     if shards is not None:  # inside context_parallel(): this rank's rows of the whole sequence
         out = transformers_attention(shards, module, query, key, value, attention_mask, scaling,
@@ -219,6 +231,22 @@ def _config_asks_for_weights(module: torch.nn.Module) -> bool:
     return own.get("_output_attentions", own.get("output_attentions", False)) is True
 
 
+# Config attributes that hold a model's attention dropout, most common first (T5 and its kin
+# call it dropout_rate, GPT-2 attn_pdrop, BERT attention_probs_dropout_prob).
+_DROPOUT_SETTINGS = ("attention_dropout", "attn_dropout", "dropout_rate", "attn_pdrop",
+                     "attention_probs_dropout_prob", "dropout")
+
+
+def _dropout_setting(module: torch.nn.Module, dropout: float) -> str:
+    """Where the layer's dropout comes from, to name in an error: the config attribute that
+    holds this value, else the layer's own attribute."""
+    config = getattr(module, "config", None)
+    for name in _DROPOUT_SETTINGS:
+        if getattr(config, name, None) == dropout:
+            return f"the config's {name}"
+    return "the attention dropout probability in the model's config"
+
+
 def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor], attention_mask,
                shape: tuple) -> torch.Tensor:
     """An additive mask: a model's ``position_bias`` (T5: ``(1, Hq, Sq, Skv)``, from a learned
@@ -257,7 +285,7 @@ def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, at
             raise ValueError("cu_seq_lens_q/k describe one flattened row of documents: batch 1, "
                              "as many queries as keys and equal boundaries, got batch "
                              f"{batch}, {seq_q} queries, {seq_kv} keys")
-        return _remembered(memo, "cu", (cu,), lambda: _ids_from_cu_seqlens(cu, seq_q))
+        return _remembered(memo, "cu", (cu,), lambda: documents_from_cu_seq_lens(cu, seq_q)[0])
     position_ids = kwargs.get("position_ids")
     if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or seq_q == 1
             or seq_q != seq_kv or diag_offset != 0 or torch.compiler.is_compiling()
@@ -268,11 +296,7 @@ def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, at
 
     def restarts():
         pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
-        if pos.shape != (batch, seq_q):
-            return None
-        first = pos[:, :1] - 1
-        ids = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1).to(torch.int32)
-        return ids if bool((ids[:, -1] != 0).any()) else None
+        return documents_from_positions(pos) if pos.shape == (batch, seq_q) else None
     return _remembered(memo, "pos", (position_ids,), restarts)
 
 
@@ -288,41 +312,27 @@ def _same_boundaries(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor]) -> bool:
     return torch.compiler.is_compiling() or torch.equal(cu_k, cu_q)
 
 
-def _ids_from_cu_seqlens(cu: torch.Tensor, seq: int) -> torch.Tensor:
-    """(1, S) document of each position; positions past the last boundary belong to none
-    (-1: see :func:`_document_mods`)."""
-    positions = torch.arange(seq, device=cu.device)
-    ids = torch.bucketize(positions, cu[1:].to(positions.dtype), right=True)
-    return torch.where(positions < cu[-1], ids, -1).to(torch.int32)[None]
-
-
 def _document_mods(ids: torch.Tensor, mask, attention_mask) -> Optional[CompiledMods]:
     """The same-document rule as a mask_mod: the pre-translated template (so it crosses
-    torch.compile) on this call's ids, the key padding folded into the keys' ids (-2: no
-    query's document), intersected with the mask function's overlays (eager) when there are
-    any; None with a dense or additive mask (see :func:`_dense_documents`)."""
-    key_ids = _as_key_ids(ids)
+    torch.compile) on this call's ids, the key padding folded into the keys' ids, intersected
+    with the mask function's overlays (eager) when there are any; None with a dense or additive
+    mask (see :func:`_dense_documents`)."""
+    key_padding = None
     if mask is not None:
         if mask.dtype != torch.bool or mask.shape[-2] != 1:
             return None
-        key_ids = torch.where(mask.reshape(mask.shape[0], -1), key_ids, -2)
+        key_padding = mask.reshape(mask.shape[0], -1)
+    key_ids = key_documents(ids, key_padding)
     query_ids, key_ids = ids.expand(key_ids.shape[0], -1).contiguous(), key_ids.contiguous()
     overlay = attention_mask.overlay if isinstance(attention_mask, TiledMask) else None
     if overlay is None:
         return mods_from_key(_same_document_key(), (query_ids, key_ids))
-
-    return compile_mods(None, and_masks(overlay, _same_document_template(query_ids, key_ids)))
-
-
-def _as_key_ids(ids: torch.Tensor) -> torch.Tensor:
-    """Document ids as keys see them: a position in no document (-1) gets -2, which no
-    query's id equals, so nothing attends to it."""
-    return torch.where(ids < 0, -2, ids)
+    return compile_mods(None, and_masks(overlay, same_document(query_ids, key_ids)))
 
 
 def _dense_documents(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A dense (or additive) mask with the other documents hidden as well."""
-    same = (ids[:, :, None] == _as_key_ids(ids)[:, None, :])[:, None]
+    same = same_document_dense(ids)
     if mask.dtype == torch.bool:
         return mask & same
     return mask.masked_fill(~same, float("-inf"))
@@ -330,15 +340,9 @@ def _dense_documents(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.compiler.assume_constant_result
 def _same_document_key() -> str:
-    """The generated key of the same-document template (translated once, outside any trace)."""
+    """The generated key of the same-document rule (translated once, outside any trace)."""
     ids = torch.zeros((1, 1), dtype=torch.int32)
-    return compile_mods(None, _same_document_template(ids, ids)).key
-
-
-def _same_document_template(query_ids: torch.Tensor, key_ids: torch.Tensor) -> Callable:
-    def same_document(b, h, q_idx, kv_idx):
-        return query_ids[b, q_idx] == key_ids[b, kv_idx]
-    return same_document
+    return compile_mods(None, same_document(ids, ids)).key
 
 
 def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.device,

@@ -94,7 +94,7 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                mask_function=None, attention_mask: Optional[torch.Tensor] = None,
                local_size: Optional[int] = None, device="cpu", **kwargs):
     """``AttentionMaskInterface`` entry, called with ``sdpa_mask``'s arguments (transformers
-    5.17 to 5.24); the query row ``i`` sits at position ``q_offset + i`` and key ``j`` at
+    5.17 to 5.25); the query row ``i`` sits at position ``q_offset + i`` and key ``j`` at
     ``kv_offset + j``. Returns a :class:`TiledMask` (or, decoding with a StaticCache, a plain
     ``(B, 1, 1, Skv)`` bool tensor)."""
     from transformers import masking_utils as mu

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .documents import documents_from_cu_seq_lens
+
 
 def causal_mask(b, h, q_idx, kv_idx):
     """Query row i sees keys 0..i."""
@@ -97,9 +99,7 @@ def document_mask(document_ids: torch.Tensor, causal: bool = True):
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Document id per position from cumulative lengths ``[0, l0, l0 + l1, ...]``."""
-    total = int(cu_seqlens[-1])
-    positions = torch.arange(total, device=cu_seqlens.device)
-    return torch.bucketize(positions, cu_seqlens[1:], right=True).to(torch.int32)
+    return documents_from_cu_seq_lens(cu_seqlens, int(cu_seqlens[-1]))[0][0]
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:

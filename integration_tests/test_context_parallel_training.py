@@ -2,10 +2,13 @@
 4): a training step of tiny Llama (left padding whose rows see no key, input embeddings),
 Mistral (sliding window), Gemma 2 (softcap, windows), gpt-oss (sinks), Qwen2 (mixed layers,
 gradient checkpointing) and packed rows (position_ids with FSDP2 and a balanced layout,
-cu_seq_lens with DDP) gives the one-process logits, loss and gradients (context_parallel_runs.py);
-different batches on the ranks, a length the layout cannot split and a mask laid over local
-positions are refused; ContextParallelTrainer's losses and weights after two steps equal the
-one-process Trainer's."""
+cu_seq_lens with DDP) and lengths no layout cuts evenly (padded by shard_batch) gives the one-process logits, loss and
+gradients (context_parallel_runs.py); misuses are refused on every rank: different batches, one
+rank's bad batch, a layout shorter than the batch, a mask laid over local positions, a model on
+sdpa inside the context or its loss averaged without one, "tiled" given sharded inputs outside
+the context or inside another batch's; ContextParallelTrainer's losses and weights after two
+steps (packed rows of ordinary lengths) equal the one-process Trainer's, and it refuses a model
+on another attention implementation."""
 
 import sys
 from pathlib import Path
@@ -21,8 +24,13 @@ from spawned_ranks import run_ranks  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 REFUSAL_MESSAGES = {
     "different-batches": r"were given different batches \(input_ids differ\)",
-    "not-divisible": r"multiple of {multiple} \({world} ranks x 2 chunks per rank\), got 30",
+    "one-rank-refuses": r"does not know how to split \['pixel_values'\]",
+    "layout-too-short": r"layout is for 32 positions over {world} ranks; the batch has 34",
     "local-overlay": r"chunked_overlay.* reads tensors laid over this rank's positions",
+    "sdpa-inside-context": r"no attention over the sharded sequence ran inside this block",
+    "tiled-outside-context": r"got shard_batch's inputs .* outside context_parallel",
+    "another-batch's-context": r"inputs of another shard_batch than the active",
+    "sdpa-global-loss": r"no attention over the sharded sequence ran for this batch",
 }
 
 
@@ -34,9 +42,12 @@ def test_training_step_equals_one_process(world):
                 if not name.startswith("refused:") and error]
     assert not failures, "\n".join(failures)
     for name in REFUSALS:
-        pattern = REFUSAL_MESSAGES[name].format(multiple=2 * world, world=world)
-        for result in ranks:
+        pattern = REFUSAL_MESSAGES[name].format(world=world)
+        for rank, result in enumerate(ranks):
             assert re.search(pattern, result[f"refused:{name}"]), result[f"refused:{name}"]
+            if name == "one-rank-refuses" and rank < world - 1:  # the peers say whose batch
+                assert f"rank {world - 1} of the group refused its batch" in \
+                    result[f"refused:{name}"]
 
 
 def test_trainer_equals_one_process_trainer(tmp_path):
@@ -50,3 +61,9 @@ def test_trainer_equals_one_process_trainer(tmp_path):
     for losses, weights in sharded:
         assert losses == pytest.approx(want_losses, rel=1e-5, abs=0)
         assert weights == pytest.approx(want_weights, rel=1e-6, abs=1e-6)
+
+
+def test_trainer_refuses_a_model_on_another_implementation(tmp_path):
+    from hf_tiled_attention.context_parallel_trainer import ContextParallelTrainer
+    with pytest.raises(ValueError, match=r"needs the model's attention on 'tiled' .* got 'sdpa'"):
+        ContextParallelTrainer(model=build("llama", "sdpa"), **trainer_setup(str(tmp_path)))

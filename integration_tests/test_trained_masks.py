@@ -29,10 +29,10 @@ def test_float_4d_mask_that_requires_grad_gets_its_gradient():
     torch.testing.assert_close(grad_t, grad_e, atol=1e-5 * grad_e.abs().max().item(), rtol=1e-4)
 
 
-def _t5(impl: str, seed: int = 0):
+def _t5(impl: str, seed: int = 0, dropout_rate: float = 0.0):
     torch.manual_seed(seed)
     config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                   num_decoder_layers=2, num_heads=4, dropout_rate=dropout_rate,
                                    relative_attention_num_buckets=8,
                                    relative_attention_max_distance=20, decoder_start_token_id=0,
                                    pad_token_id=0, eos_token_id=1)
@@ -101,3 +101,11 @@ def test_bad_position_bias_is_refused(bias, error, pattern):
     with pytest.raises(error, match=pattern):
         tiled_attention_forward(torch.nn.Module(), q, q, q, None, scaling=1.0,
                                 position_bias=bias)
+
+
+def test_t5_dropout_error_names_its_config_attribute():
+    """T5 keeps its dropout in `dropout_rate`: the error names that, not attention_dropout."""
+    model = _t5("tiled", dropout_rate=0.1)
+    model.train()
+    with pytest.raises(ValueError, match=r"dropout=0.1.*set the config's dropout_rate to 0.0"):
+        model(**_t5_batch())

@@ -52,7 +52,8 @@ def test_packed_rows_train_like_separate_documents(flash_kwargs):
     """One row of three documents (DataCollatorWithFlattening): the gradients of the packed
     row are those of sdpa on the same packed row (transformers masks it by position_ids when
     there is no cache; with one, sdpa would see one causal sequence while tiled still follows
-    the restarting position_ids)."""
+    the restarting position_ids), and the reference does keep the documents apart: its loss
+    is that of the documents run one by one."""
     g = torch.Generator().manual_seed(4)
     docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 7)]
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs,
@@ -62,6 +63,11 @@ def test_packed_rows_train_like_separate_documents(flash_kwargs):
     sdpa_batch = {k: v for k, v in batch.items() if not k.startswith(("cu_seq", "max_length"))}
     want = _grads(build("llama", "sdpa"), **sdpa_batch)
     _assert_same_grads(got, want)
+    alone = build("llama", "sdpa")
+    with torch.no_grad():  # each document's mean loss, weighted by its labelled tokens
+        one_by_one = sum(alone(torch.tensor([d]), labels=torch.tensor([d]), use_cache=False
+                               ).loss * (len(d) - 1) for d in docs) / sum(len(d) - 1 for d in docs)
+    torch.testing.assert_close(want[0], one_by_one, atol=1e-5, rtol=0)
 
 
 def test_gradient_checkpointing(op_calls):

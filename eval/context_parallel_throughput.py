@@ -2,8 +2,8 @@
 and the longest sequence that trains, for `tiled` (hf_tiled_attention.context_parallel) beside
 torch's own context parallelism with SDPA. Run under torchrun, one process per GPU:
 
-    torchrun --nproc-per-node 8 eval/context_parallel.py            # 8-layer Llama-3-8B, Mistral-7B
-    torchrun --nproc-per-node 8 eval/context_parallel.py --backends tiled --max-seq 1048576
+    torchrun --nproc-per-node 8 eval/context_parallel_throughput.py  # 8-layer Llama-3-8B, Mistral-7B
+    torchrun --nproc-per-node 8 eval/context_parallel_throughput.py --backends tiled --max-seq 1048576
 
 Every process builds the same model (random weights from one seed; bf16 on the GPU), shards it
 with FSDP2 (``fully_shard`` per layer; ``--sync ddp`` replicates it instead) and trains it
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from hf_tiled_attention.context_parallel import context_parallel, shard_batch  # noqa: E402
+from hf_tiled_attention import context_parallel, shard_batch  # noqa: E402
 from eval.common import ResultsWriter, results_dir  # noqa: E402
 from eval.models import build_config  # noqa: E402
 
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("context_parallel: run under torchrun, e.g. torchrun --nproc-per-node 8 "
-                         "eval/context_parallel.py")
+                         "eval/context_parallel_throughput.py")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -264,11 +264,15 @@ def _report(results, row: dict) -> None:
     if results is None:
         return
     results.add(row)
-    print(f"context_parallel {row['model']:10s} {row['backend']:8s} {row['batching']:7s} "
-          f"S={row['seq']:8d} x{row['ranks']} {row['status']:8s} "
-          f"{row.get('tokens_per_s_per_gpu', '-'):>10s} tokens/s/GPU {row.get('ms', '-'):>9s} ms "
-          f"peak {row.get('peak_gib', '-') or '-'} GiB loss {row.get('loss', '-')} "
-          f"{row['reason'][:90]}", flush=True)
+    line = (f"context_parallel {row['model']:10s} {row['backend']:8s} {row['batching']:7s} "
+            f"S={row['seq']:8d} x{row['ranks']} {row['status']:8s}")
+    if row.get("tokens_per_s_per_gpu"):
+        line += f" {row['tokens_per_s_per_gpu']:>10s} tokens/s/GPU {row['ms']:>9s} ms"
+    if row.get("peak_gib"):
+        line += f" peak {row['peak_gib']} GiB"
+    if row.get("loss"):
+        line += f" loss {row['loss']}"
+    print(f"{line} {row['reason'][:90]}".rstrip(), flush=True)
 
 
 def _out_of_memory(rank: int, row: dict, exc: Exception, results) -> None:
