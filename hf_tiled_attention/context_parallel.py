@@ -10,10 +10,11 @@ process group, each rank holding a share of its positions.
     print(sharded.global_loss(loss))             # the one-process loss
 
 :func:`~hf_tiled_attention.batch_sharding.shard_batch` cuts the batch (and says how the loss is
-accounted for). Inside :func:`context_parallel` the model's "tiled" attention calls run
-:func:`~hf_tiled_attention.sharded_attention.sharded_attention` with the rule transformers'
-mask function describes (causal, sliding window, bidirectional, index-only overlays), the
-documents and padding of the whole batch, softcap and sinks.
+accounted for). Inside :func:`context_parallel` the model's "tiled" attention calls are routed
+to :func:`attend_layer`: the rule transformers' mask function describes (causal, sliding
+window, bidirectional, index-only overlays), the documents and padding of the whole batch,
+softcap and sinks, over the whole sequence
+(:func:`~hf_tiled_attention.sharded_attention.sharded_attention`).
 
 Used otherwise, it refuses rather than compute a wrong loss: a "tiled" call given shard_batch's
 inputs outside the context (or inside another batch's), and a context in which no attention
@@ -28,15 +29,12 @@ from typing import Optional
 
 import torch
 
-from .batch_sharding import ShardedBatch, shard_batch  # noqa: F401  (this module's old home)
+from .batch_sharding import ShardedBatch, shard_batch  # noqa: F401  (importable from here too)
+from .layer_call import LayerCall, active_owner, routed
 from .mods import compile_mods
 from .sharded_attention import SequenceShards, sharded_attention
 
-__all__ = ["active_shards", "context_parallel", "shard_batch"]
-
-# The shards "tiled" attends over, innermost last (module state, not a context variable:
-# autograd's backward threads recompute checkpointed layers and must see it too).
-_active: list = []
+__all__ = ["active_shards", "attend_layer", "context_parallel", "shard_batch"]
 
 
 @contextlib.contextmanager
@@ -44,16 +42,18 @@ def context_parallel(sharded):
     """Inside, every "tiled" attention call of a transformers model attends over the whole
     sequence of ``sharded`` (a :class:`ShardedBatch` or
     :class:`~hf_tiled_attention.sharded_attention.SequenceShards`), from this rank's share of
-    its positions. Run the backward inside too when layers are checkpointed."""
+    its positions. Run the backward inside too when layers are checkpointed. Raises when the
+    block ends without any such call (the model's attention is not "tiled")."""
     shards = sharded.shards if isinstance(sharded, ShardedBatch) else sharded
     if not isinstance(shards, SequenceShards):
         raise TypeError(f"context_parallel takes a ShardedBatch or SequenceShards, got "
                         f"{type(sharded).__name__}")
-    _active.append(shards)
-    try:
+
+    def route(call: LayerCall, query, key, value) -> torch.Tensor:
+        return attend_layer(call, query, key, value, shards)
+
+    with routed(shards, route):
         yield shards
-    finally:
-        _active.remove(shards)
     if not shards.calls:  # (not reached when the block raised)
         raise RuntimeError(
             "context_parallel: no attention over the sharded sequence ran inside this block, "
@@ -63,67 +63,46 @@ def context_parallel(sharded):
             "not see the other ranks' positions.")
 
 
-def check_laid_out(position_ids) -> None:
-    """Refuses a "tiled" call whose ``position_ids`` shard_batch laid out for other shards than
-    the active context's (or outside any context): it would attend within the rank's rows.
-    (Eager calls: a traced one's tensors are not the objects shard_batch made.)"""
-    if torch.compiler.is_compiling():
-        return
-    owner = SequenceShards.owner(position_ids)
-    if owner is None or owner is active_shards():
-        return
-    if active_shards() is None:
-        raise ValueError(
-            "attn_implementation='tiled' got shard_batch's inputs (one rank's share of the "
-            "sequence) outside context_parallel: run the model, and its backward when layers "
-            "are checkpointed, inside `with hf_tiled_attention.context_parallel(sharded):`; "
-            "outside it each rank would attend only within its own positions")
-    raise ValueError("attn_implementation='tiled' got the inputs of another shard_batch than "
-                     "the active context_parallel's: enter context_parallel with the "
-                     "ShardedBatch whose inputs the model runs on")
-
-
 def active_shards() -> Optional[SequenceShards]:
-    return _active[-1] if _active else None
+    """The shards of the innermost active :func:`context_parallel` block, or None."""
+    owner = active_owner()
+    return owner if isinstance(owner, SequenceShards) else None
 
 
-def transformers_attention(shards: SequenceShards, module, query, key, value, attention_mask,
-                           scaling, sinks, kwargs) -> torch.Tensor:
-    """The "tiled" attention function's work inside :func:`context_parallel`: the rule of
-    transformers' mask (made for this rank's positions) read back in global terms. Returns
-    ``(B, Hq, L, D)``."""
-    from .transformers_mask import TiledMask
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+def attend_layer(call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 shards: SequenceShards) -> torch.Tensor:
+    """A transformers layer's call inside :func:`context_parallel`: the record's rule
+    (transformers made its masks for this rank's positions) read back in global terms, over the
+    whole sequence. What cannot be read back is refused. Returns ``(B, Hq, L, D)``."""
+    if call.documents is not None:  # (only cu_seq_lens give documents here: see read_call)
         raise ValueError("context parallelism got cu_seq_lens_q/k in the model's kwargs: pass "
                          "the batch through shard_batch, which reads them as document ids of "
                          "the whole sequence")
-    mask_mod = None
-    if isinstance(attention_mask, TiledMask):
-        if attention_mask.dense is not None:
-            raise ValueError(
-                "context parallelism: transformers' mask reached 'tiled' as a dense mask over "
-                "this rank's positions (traced by torch.compile, or a mask function the "
-                "translator refuses), which cannot be made global; run the model eagerly")
-        if attention_mask.diag_offset != 0 or key.shape[2] != query.shape[2]:
-            raise ValueError("context parallelism runs without a cache: pass use_cache=False "
-                             "(shard_batch's inputs do)")
-        causal, window = attention_mask.causal, attention_mask.window
-        if attention_mask.overlay is not None:
-            if compile_mods(None, attention_mask.overlay).captures:
-                raise ValueError(
-                    f"context parallelism: the model's mask function "
-                    f"{getattr(attention_mask.overlay, '__qualname__', '?')} reads tensors laid "
-                    "over this rank's positions (image blocks, chunk offsets, ...), so it cannot "
-                    "be evaluated at global positions")
-            mask_mod = attention_mask.overlay  # index-only: the same at global positions
-    elif attention_mask is None:
-        is_causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        window = kwargs.get("sliding_window")
-    else:
-        raise ValueError(f"context parallelism got a {type(attention_mask).__name__} "
+    if call.given:
+        raise ValueError(f"context parallelism got a {type(call.mask).__name__} "
                          "attention_mask made for this rank's positions, which cannot be made "
                          "global: pass the 2-D padding mask to shard_batch instead")
-    return sharded_attention(query, key, value, shards, is_causal=causal, scale=scaling,
-                             window=window, softcap=kwargs.get("softcap"), sinks=sinks,
+    if call.dense:
+        raise ValueError(
+            "context parallelism: transformers' mask reached 'tiled' as a dense mask over "
+            "this rank's positions (traced by torch.compile, or a mask function the "
+            "translator refuses), which cannot be made global; run the model eagerly")
+    if call.diag_offset != 0 or key.shape[2] != query.shape[2]:
+        raise ValueError("context parallelism runs without a cache: pass use_cache=False "
+                         "(shard_batch's inputs do)")
+    if call.position_bias is not None:
+        raise ValueError("context parallelism does not take a position_bias (T5's relative "
+                         "bias is made for this rank's positions); use one process")
+    mask_mod = None
+    if call.overlay is not None:
+        if compile_mods(None, call.overlay).captures:
+            raise ValueError(
+                f"context parallelism: the model's mask function "
+                f"{getattr(call.overlay, '__qualname__', '?')} reads tensors laid over this "
+                "rank's positions (image blocks, chunk offsets, ...), so it cannot be evaluated "
+                "at global positions")
+        mask_mod = call.overlay  # index-only: the same at global positions
+    # (the key padding of transformers' mask is local: the shards carry the whole batch's)
+    return sharded_attention(query, key, value, shards, is_causal=call.causal, scale=call.scale,
+                             window=call.window, softcap=call.softcap, sinks=call.sinks,
                              mask_mod=mask_mod)

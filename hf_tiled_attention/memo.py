@@ -117,6 +117,18 @@ def cache_sizes() -> dict[str, int]:
     return {name: len(cache) for name, cache in _caches.items()}
 
 
+def remembered(memo: Optional[dict], key, sources: tuple, build: Callable):
+    """``build()``, kept in a per-forward ``memo`` dict (when there is one and nothing is
+    traced) under ``key`` with the objects it was built from, and rebuilt when any of them is
+    not the one passed now (the transformers adapter: what a forward's layers share)."""
+    entry = None if memo is None else memo.get(key)
+    if entry is None or any(old is not new for old, new in zip(entry[0], sources)):
+        entry = (sources, build())
+        if memo is not None and not torch.compiler.is_compiling():
+            memo[key] = entry
+    return entry[1]
+
+
 def may_keep_device_memory(eager: bool, device: torch.device) -> bool:
     """Whether a GPU tensor made by this call may be kept for later calls: only in an eager
     call (not the registered op, which compiled graphs call) outside CUDA graph capture."""

@@ -16,7 +16,6 @@ key exchange in reverse.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -25,6 +24,7 @@ import torch
 from .checks import check_inputs, check_options, check_sinks
 from .documents import document_bounds, key_documents, same_document
 from .key_exchange import ExchangePlan, KeyRule, exchange_keys, plan_exchange
+from .layer_call import claim
 from .op import checked_mods, attention
 from .shard_layout import SequenceLayout
 from .variants import and_masks
@@ -82,19 +82,10 @@ class SequenceShards:
         return self.layout.shard(tensor, self.rank, dim)
 
     def lay_out(self, tensor: torch.Tensor) -> None:
-        """Record ``tensor`` (a model input made of this rank's rows, e.g. its
-        ``position_ids``) as laid out by these shards: see :meth:`owner`."""
-        _laid_out[id(tensor)] = (weakref.ref(tensor, lambda _, key=id(tensor): _laid_out.pop(
-            key, None)), weakref.ref(self))
-
-    @staticmethod
-    def owner(tensor) -> Optional["SequenceShards"]:
-        """The shards that laid ``tensor`` out (:meth:`lay_out`), or None: an attention call
-        given such an input must attend over them, not within the rank's rows alone."""
-        entry = _laid_out.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return None
-        return entry[1]()
+        """Claim ``tensor`` (a model input made of this rank's rows, e.g. its
+        ``position_ids``) for these shards: a "tiled" call given it must attend over them
+        (:func:`~hf_tiled_attention.layer_call.route_for`)."""
+        claim(tensor, self)
 
     @torch.compiler.disable  # host work on ints: run eagerly, outside a compiled region
     def plan(self, causal: bool, window: Optional[int], device: torch.device) -> ExchangePlan:
@@ -109,10 +100,6 @@ class SequenceShards:
             rule = KeyRule(causal, window, doc_start, doc_end)
             self._memo[key] = plan_exchange(self.layout, self.rank, rule).to(device)
         return self._memo[key]
-
-
-# Tensors laid out by shards, by id: (weak reference to the tensor, to its shards).
-_laid_out: dict = {}
 
 
 def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

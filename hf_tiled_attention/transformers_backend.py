@@ -19,16 +19,15 @@ same-document mask_mod over per-token ids (O(S) memory), under torch.compile too
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .checks import check_inputs, check_sinks
-from .context_parallel import active_shards, check_laid_out, transformers_attention
-from .documents import (documents_from_cu_seq_lens, documents_from_positions, key_documents,
-                        same_document, same_document_dense)
+from .checks import check_inputs
+from .documents import key_documents, same_document, same_document_dense
+from .layer_call import LayerCall, active_owner, read_call, route_for
 from .masks import CompactMask, compact_mask
-from .memo import may_keep_device_memory
+from .memo import may_keep_device_memory, remembered
 from .mods import CompiledMods, compile_mods, mods_from_key
 from .op import attention as _op_attention
 from .op import inference_call
@@ -84,11 +83,24 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # (Not while traced: the lookup reads the stream's capture state, a graph break.)
         repeat_key = _repeat_key(module, query, key, value, scaling, dropout, kwargs)
         signature, sources = repeat_key
-        repeat = attention_mask._memo.get(signature)
+        repeat = attention_mask.memo.get(signature)
         if repeat is not None and _same_objects(repeat[0], sources) and \
-                not _config_asks_for_weights(module) and active_shards() is None and \
+                not _config_asks_for_weights(module) and active_owner() is None and \
                 not torch._C._are_functorch_transforms_active():
             return _launched(repeat[1], repeat[2], query, key, value), None
+    _check_call(module, dropout, kwargs)
+    check_inputs(query, key, value)
+    route = route_for(kwargs.get("position_ids"))
+    call = read_call(module, query, key, attention_mask, scaling, kwargs,
+                     sharded=route is not None)
+    if route is not None:  # inside context_parallel(): this rank's rows of the whole sequence
+        return _in_layer_layout(route(call, query, key, value)), None
+    return _attend(call, query, key, value, repeat_key), None
+
+
+def _check_call(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """Refuses what the kernels do not compute: attention weights, dropout while training,
+    sparse attention's key lists."""
     if kwargs.get("output_attentions") or _config_asks_for_weights(module):
         raise ValueError("attn_implementation='tiled' does not compute attention weights "
                          "(output_attentions=True). Use attn_implementation='eager' to get them.")
@@ -103,76 +115,48 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if kwargs.get(name) is not None:
             raise ValueError(f"attn_implementation='tiled' does not support {what}; use "
                              f"attn_implementation={instead}.")
-    check_inputs(query, key, value)
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss's learned sinks, one per head
-    check_sinks(sinks, query)
-    check_laid_out(kwargs.get("position_ids"))
-    shards = active_shards()
-    if shards is not None:  # inside context_parallel(): this rank's rows of the whole sequence
-        out = transformers_attention(shards, module, query, key, value, attention_mask, scaling,
-                                     sinks, kwargs)
-        return out.transpose(1, 2).contiguous(), None
-    batch, heads_q, seq_q, _ = query.shape
-    seq_kv = key.shape[2]
-    is_causal = kwargs.get("is_causal")
-    # The call's own causal flag (kwargs, else the module's); a TiledMask may replace it.
-    module_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    causal = module_causal
-    window, diag_offset, mask, mods, memo = kwargs.get("sliding_window"), seq_kv - seq_q, None, \
-        None, None
-    if isinstance(attention_mask, TiledMask):
-        causal, window, diag_offset = (attention_mask.causal, attention_mask.window,
-                                       attention_mask.diag_offset)
-        mask, mods, memo = attention_mask.tensor, attention_mask.mods, attention_mask._memo
-    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        mask = attention_mask[:, -seq_kv:].to(torch.bool)[:, None, None, :]  # key padding
-    elif isinstance(attention_mask, torch.Tensor):
-        # A 4-D mask that holds the whole pattern: user-given, or a static-cache decode step's.
-        mask = attention_mask[..., :seq_kv]
-        if mask.shape[-1] != seq_kv:
-            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {seq_kv}")
-        causal, window, diag_offset = False, None, 0
-    elif attention_mask is not None:
-        raise TypeError(f"attn_implementation='tiled' got an attention_mask of type "
-                        f"{type(attention_mask).__name__}; expected a tensor, None or the "
-                        "TiledMask built by its registered mask function")
 
-    position_bias = kwargs.get("position_bias")
-    if position_bias is not None:  # T5's relative bias (learned: it trains as a mask)
+
+def _attend(call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            repeat_key: Optional[tuple]) -> torch.Tensor:
+    """The call on this process's whole sequence: the op's arguments from the record (the
+    bias and the documents folded into the mask or a mask_mod, the mask compacted once per
+    forward), through a repeatable launch where the forward's later layers can reuse it.
+    Returns ``(B, Sq, Hq, D)``."""
+    batch, heads_q, seq_q, _ = query.shape
+    shape = (batch, heads_q, seq_q, key.shape[2])
+    mask, mods, memo = call.mask, call.mods, call.memo
+    if call.position_bias is not None:  # T5's relative bias (learned: it trains as a mask)
         # Shared by the layers unless autograd tracks it: a layer recomputed by gradient
         # checkpointing must build its own from its own inputs.
-        tracked = getattr(position_bias, "requires_grad", False) and torch.is_grad_enabled()
-        mask = _remembered(None if tracked else memo, "position_bias", (position_bias, mask),
-                           lambda: _with_bias(position_bias, mask, attention_mask,
-                                              (batch, heads_q, seq_q, seq_kv)))
-    documents = _documents(kwargs, batch, seq_q, seq_kv, diag_offset, attention_mask, memo)
-    if documents is not None and isinstance(attention_mask, TiledMask) and \
-            attention_mask.dense is not None and kwargs.get("cu_seq_lens_q") is not None:
-        # FlashAttention's varlen rule, which transformers' flash path follows with these
-        # kwargs: the documents, the module's causal flag and window. The dense mask (what a
-        # traced mask function could not describe otherwise) says the same from position_ids.
-        causal, window, diag_offset, mask = module_causal, kwargs.get("sliding_window"), 0, None
-    if documents is not None:
-        doc_mods = _remembered(memo, "documents", (documents, mask), lambda: _document_mods(
-            documents, mask, attention_mask))
+        bias = call.position_bias
+        tracked = getattr(bias, "requires_grad", False) and torch.is_grad_enabled()
+        mask = remembered(None if tracked else memo, "position_bias", (bias, mask),
+                          lambda: _with_bias(bias, mask, mods, shape))
+    if call.documents is not None:
+        documents = call.documents
+        doc_mods = remembered(memo, "documents", (documents, mask), lambda: _document_mods(
+            documents, mask, call.overlay))
         if doc_mods is None:  # beside a dense or additive mask: one dense rule for both
             mask = _dense_documents(documents, mask)
         else:
             mask, mods = None, doc_mods  # the padding is in the document ids
     if mask is not None:
-        mask = _compact_for_layer(mask, memo, query.device, (batch, heads_q, seq_q, seq_kv))
+        mask = _compact_for_layer(mask, memo, query.device, shape)
     # A per-tile table pays off only when the forward's layers share it (through the memo).
-    options = dict(causal=causal, scale=scaling, window=window, softcap=kwargs.get("softcap"),
-                   diag_offset=diag_offset, key_mask_table=memo is not None, mods=mods)
-    if repeat_key is not None and memo is not None and sinks is None and mods is None:
-        call = inference_call(query, key, value, mask, **options)
-        if call is not None:  # the layers that repeat this call launch it directly
+    options = dict(causal=call.causal, scale=call.scale, window=call.window,
+                   softcap=call.softcap, diag_offset=call.diag_offset,
+                   key_mask_table=memo is not None, mods=mods)
+    if repeat_key is not None and memo is not None and call.sinks is None and mods is None:
+        launch = inference_call(query, key, value, mask, **options)
+        if launch is not None:  # the layers that repeat this call launch it directly
             signature, sources = repeat_key
-            relaunch = call.repeatable(query, key, value)
-            memo[signature] = (sources, call, relaunch)
-            return _launched(call, relaunch, query, key, value), None
-    out, _ = _op_attention(query, key, value, mask, return_lse=False, sinks=sinks, **options)
-    return _in_layer_layout(out), None
+            relaunch = launch.repeatable(query, key, value)
+            memo[signature] = (sources, launch, relaunch)
+            return _launched(launch, relaunch, query, key, value)
+    out, _ = _op_attention(query, key, value, mask, return_lse=False, sinks=call.sinks,
+                           **options)
+    return _in_layer_layout(out)
 
 
 def _launched(call, relaunch, query: torch.Tensor, key: torch.Tensor,
@@ -247,15 +231,15 @@ def _dropout_setting(module: torch.nn.Module, dropout: float) -> str:
     return "the attention dropout probability in the model's config"
 
 
-def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor], attention_mask,
-               shape: tuple) -> torch.Tensor:
+def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor],
+               mods: Optional[CompiledMods], shape: tuple) -> torch.Tensor:
     """An additive mask: a model's ``position_bias`` (T5: ``(1, Hq, Sq, Skv)``, from a learned
     table) with the call's mask folded in (-inf where a bool mask hides a key, a float mask
     added), differentiable in the bias; the kernel's causal / window flags stay as they are."""
     if not isinstance(position_bias, torch.Tensor) or not position_bias.is_floating_point():
         raise TypeError(f"position_bias must be a floating-point tensor, got "
                         f"{getattr(position_bias, 'dtype', type(position_bias).__name__)}")
-    if isinstance(attention_mask, TiledMask) and attention_mask.mods is not None:
+    if mods is not None:
         raise ValueError("attn_implementation='tiled' cannot combine a position_bias with the "
                          "mask overlay transformers made for this call (packed rows, chunks or "
                          "blocks); use attn_implementation='eager'")
@@ -273,46 +257,8 @@ def _with_bias(position_bias: torch.Tensor, mask: Optional[torch.Tensor], attent
     return bias + mask
 
 
-def _documents(kwargs, batch: int, seq_q: int, seq_kv: int, diag_offset: int, attention_mask,
-               memo) -> Optional[torch.Tensor]:
-    """Per-token document ids ``(B, S)`` of packed rows the kwargs reveal, or None:
-    ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening``), or restarting ``position_ids`` in an
-    eager call that transformers did not mask itself (with a cache) and nothing pads."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
-        cu = cu_q if cu_q is not None else cu_k
-        if batch != 1 or seq_q != seq_kv or not _same_boundaries(cu, cu_k):
-            raise ValueError("cu_seq_lens_q/k describe one flattened row of documents: batch 1, "
-                             "as many queries as keys and equal boundaries, got batch "
-                             f"{batch}, {seq_q} queries, {seq_kv} keys")
-        return _remembered(memo, "cu", (cu,), lambda: documents_from_cu_seq_lens(cu, seq_q)[0])
-    position_ids = kwargs.get("position_ids")
-    if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or seq_q == 1
-            or seq_q != seq_kv or diag_offset != 0 or torch.compiler.is_compiling()
-            or (attention_mask is not None and not isinstance(attention_mask, TiledMask))
-            or (isinstance(attention_mask, TiledMask)
-                and (attention_mask.tensor is not None or attention_mask.mods is not None))):
-        return None
-
-    def restarts():
-        pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
-        return documents_from_positions(pos) if pos.shape == (batch, seq_q) else None
-    return _remembered(memo, "pos", (position_ids,), restarts)
-
-
-def _same_boundaries(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor]) -> bool:
-    """Whether ``cu_seq_lens_k`` (if given) holds the same boundaries as ``cu_seq_lens_q``.
-    DataCollatorWithFlattening returns them as two equal tensors. Comparing their values is
-    data-dependent, which torch.compile cannot trace without a graph break: while tracing only
-    the shapes are compared (eager calls check the values)."""
-    if cu_k is None or cu_k is cu_q:
-        return True
-    if cu_k.shape != cu_q.shape:
-        return False
-    return torch.compiler.is_compiling() or torch.equal(cu_k, cu_q)
-
-
-def _document_mods(ids: torch.Tensor, mask, attention_mask) -> Optional[CompiledMods]:
+def _document_mods(ids: torch.Tensor, mask, overlay: Optional[Callable]
+                   ) -> Optional[CompiledMods]:
     """The same-document rule as a mask_mod: the pre-translated template (so it crosses
     torch.compile) on this call's ids, the key padding folded into the keys' ids, intersected
     with the mask function's overlays (eager) when there are any; None with a dense or additive
@@ -324,7 +270,6 @@ def _document_mods(ids: torch.Tensor, mask, attention_mask) -> Optional[Compiled
         key_padding = mask.reshape(mask.shape[0], -1)
     key_ids = key_documents(ids, key_padding)
     query_ids, key_ids = ids.expand(key_ids.shape[0], -1).contiguous(), key_ids.contiguous()
-    overlay = attention_mask.overlay if isinstance(attention_mask, TiledMask) else None
     if overlay is None:
         return mods_from_key(_same_document_key(), (query_ids, key_ids))
     return compile_mods(None, and_masks(overlay, same_document(query_ids, key_ids)))
@@ -351,19 +296,7 @@ def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.d
     the layers that share a mask share one copy per GPU (``device_map``) and its tile tables."""
     if memo is None or torch.compiler.is_compiling():
         return compact_mask(mask.to(device, non_blocking=True), *shape)
-    moved = _remembered(memo, ("moved", device), (mask,),
+    moved = remembered(memo, ("moved", device), (mask,),
                         lambda: mask.to(device, non_blocking=True))
-    return _remembered(memo, ("compact", device, shape), (moved,),
+    return remembered(memo, ("compact", device, shape), (moved,),
                        lambda: compact_mask(moved, *shape))
-
-
-def _remembered(memo: Optional[dict], key, sources: tuple, build):
-    """``build()``, kept in the forward's ``memo`` (when there is one and nothing is traced)
-    under ``key`` with the objects it was built from, and rebuilt when any of them is not the
-    one passed now."""
-    entry = None if memo is None else memo.get(key)
-    if entry is None or any(old is not new for old, new in zip(entry[0], sources)):
-        entry = (sources, build())
-        if memo is not None and not torch.compiler.is_compiling():
-            memo[key] = entry
-    return entry[1]

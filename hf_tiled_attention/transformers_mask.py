@@ -43,7 +43,8 @@ class TiledMask:
     """What :func:`tiled_mask` hands every layer: the kernel's rule (``causal``, ``window``,
     ``diag_offset``), the key padding ``(B, 1, 1, Skv)`` (None: none padded), the overlays as a
     mask_mod (``mods``, with ``overlay`` the function it was translated from), or a ``dense``
-    ``(B, 1, Sq, Skv)`` bool mask that holds everything (the flags are then off)."""
+    ``(B, 1, Sq, Skv)`` bool mask that holds everything (the flags are then off); ``memo``, what
+    the layers that get this object share."""
 
     causal: bool
     window: Optional[int]
@@ -53,8 +54,9 @@ class TiledMask:
     shape: tuple = ()
     mods: Optional[CompiledMods] = None
     overlay: Optional[Callable] = None
-    # Per-forward memo shared by all layers that get this object.
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # Per-forward memo shared by all layers that get this object (the adapter's launches,
+    # document ids, compact masks: memo.remembered).
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tensor(self) -> Optional[torch.Tensor]:

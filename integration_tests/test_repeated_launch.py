@@ -215,11 +215,13 @@ def test_a_models_decode_step_works_its_launch_out_once(launches, name, kinds):
 def test_every_kwarg_the_adapter_reads_is_part_of_the_repeat_key():
     """A kwarg the full path reads but the repeat key leaves out would let a later call repeat
     a launch made for another value: every ``kwargs.get("...")`` / ``kwargs["..."]`` of the
-    adapter names a kwarg of _VALUE_KWARGS or _TENSOR_KWARGS (or of _UNSUPPORTED_KWARGS)."""
+    adapter (and of the record it reads them into, layer_call.py) names a kwarg of
+    _VALUE_KWARGS or _TENSOR_KWARGS (or of _UNSUPPORTED_KWARGS)."""
     import inspect
     import re
 
-    source = inspect.getsource(tb)
+    from hf_tiled_attention import layer_call
+    source = inspect.getsource(tb) + inspect.getsource(layer_call)
     read = set(re.findall(r'kwargs(?:\.get\(|\[)"(\w+)"', source))
     read |= {name for name, _, _ in tb._UNSUPPORTED_KWARGS}
     assert {"sliding_window", "position_ids", "indices"} <= read  # (the pattern finds them)

@@ -168,7 +168,8 @@ def test_bad_layouts_are_refused():
 def test_masks_made_for_local_positions_are_refused():
     """transformers' masks are made for this rank's positions: a dense one, a 4-D tensor, a
     cache offset or flash-attention kwargs cannot be read back in global terms."""
-    from hf_tiled_attention.context_parallel import transformers_attention
+    from hf_tiled_attention.layer_call import read_call
+    from hf_tiled_attention.context_parallel import attend_layer
     from hf_tiled_attention.transformers_mask import TiledMask
     shards = SequenceShards(SequenceLayout.head_tail(32, 2), 0)
     q = torch.randn(1, 2, 16, 16)
@@ -182,7 +183,8 @@ def test_masks_made_for_local_positions_are_refused():
     ]
     for mask, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            transformers_attention(shards, module, q, q, q, mask, None, None, kwargs)
+            attend_layer(read_call(module, q, q, mask, None, kwargs, sharded=True), q, q, q,
+                         shards)
 
 
 def test_shard_batch_names_what_it_cannot_split():
