@@ -2,7 +2,7 @@
 collective that moves them (forward) and returns their gradients (backward).
 
 Each run of query rows (:class:`~hf_tiled_attention.shard_layout.Run`) needs one contiguous span
-of global key positions: up to its end under the causal rule, from ``W - 1`` before it with a
+of global key positions (:class:`~hf_tiled_attention.shard_layout.KeyRule`): up to its end under the causal rule, from ``W - 1`` before it with a
 window ``W``, from the start of the earliest document it holds with packed documents (both ways
 when not causal). A rank's *key buffer* is the union of its runs' spans, in global order, so
 each run's keys are one slice of it. The rows a rank does not hold come from their owners in
@@ -22,30 +22,7 @@ from typing import Optional
 
 import torch
 
-from .shard_layout import SequenceLayout
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    """What bounds a run's keys: the causal rule, a window (the op's convention), and the
-    earliest document start / latest document end per position (None without documents)."""
-    causal: bool
-    window: Optional[int]
-    doc_start: Optional[torch.Tensor] = None
-    doc_end: Optional[torch.Tensor] = None
-
-    def span(self, start: int, end: int, seq_len: int) -> tuple[int, int]:
-        """Global key positions ``lo .. hi - 1`` that queries ``start .. end - 1`` may see."""
-        lo, hi = 0, end if self.causal else seq_len
-        if self.window is not None:
-            lo = start - self.window + 1
-            if not self.causal:
-                hi = end + self.window - 1
-        if self.doc_start is not None:
-            lo = max(lo, int(self.doc_start[start]))
-            if not self.causal:
-                hi = min(hi, int(self.doc_end[end - 1]))
-        return max(lo, 0), min(hi, seq_len)
+from .shard_layout import KeyRule, SequenceLayout
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .documents import document_bounds
+from .memo import memoize
+from .visibility import key_span
 
 
 class Run(NamedTuple):
@@ -191,27 +193,61 @@ def check_divisible(seq_len: int, world_size: int, chunks_per_rank: int) -> None
             f"of {multiple} (e.g. the collator's pad_to_multiple_of={multiple})")
 
 
+@dataclass(frozen=True, eq=False)
+class KeyRule:
+    """What bounds the keys a position sees: the causal rule, a window (the op's convention),
+    and the earliest document start / latest document end per position (None without
+    documents; :func:`~hf_tiled_attention.documents.document_bounds`)."""
+    causal: bool
+    window: Optional[int]
+    doc_start: Optional[torch.Tensor] = None
+    doc_end: Optional[torch.Tensor] = None
+
+    def position_spans(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` ``(seq_len,)`` int64: position ``p`` may see keys ``lo[p] .. hi[p] - 1``
+        (:func:`~hf_tiled_attention.visibility.key_span`'s keys, narrowed to its documents).
+        Both grow with ``p``."""
+        lo, hi = _rule_spans(seq_len, self.causal, self.window)
+        if self.doc_start is not None:
+            lo = torch.maximum(lo, self.doc_start.cpu())
+            if not self.causal:
+                hi = torch.minimum(hi, self.doc_end.cpu())
+        return lo, hi
+
+    def span(self, start: int, end: int, seq_len: int) -> tuple[int, int]:
+        """Global key positions ``lo .. hi - 1`` that queries ``start .. end - 1`` may see
+        (the spans grow with the position: the first one's start, the last one's end)."""
+        lo, hi = self._spans(seq_len)
+        return int(lo[start]), int(hi[end - 1])
+
+    def _spans(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.__dict__.setdefault("_cache", {})  # (frozen: the spans, once per length)
+        if seq_len not in cache:
+            cache[seq_len] = self.position_spans(seq_len)
+        return cache[seq_len]
+
+
+@memoize(16)
+def _rule_spans(seq_len: int, causal: bool, window: Optional[int]) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+    """Each position's key span under the causal / window rule alone (host Python: once per
+    length and rule)."""
+    spans = [key_span(p, p, seq_len, window or 0, causal, window is not None)[:2]
+             for p in range(seq_len)]
+    both = torch.tensor(spans, dtype=torch.int64).reshape(seq_len, 2)
+    return both[:, 0].contiguous(), both[:, 1].contiguous()
+
+
 def position_work(seq_len: int, document_ids: Optional[torch.Tensor] = None, *,
                   causal: bool = True, window: Optional[int] = None) -> torch.Tensor:
     """Visible (query, key) pairs per query position, summed over the batch rows of
     ``document_ids`` ``(B, S)`` (None: one document per row, one row): the keys of its own
-    document that the causal rule (or both ways) and the window let it see. Padding is not
-    subtracted (its rows still run)."""
+    document that the causal rule (or both ways) and the window let it see (each row's
+    :meth:`KeyRule.position_spans`). Padding is not subtracted (its rows still run)."""
     if document_ids is None:
         document_ids = torch.zeros((1, seq_len), dtype=torch.int32)
-    ids = document_ids.cpu()
-    pos = torch.arange(seq_len)
     work = torch.zeros(seq_len, dtype=torch.int64)
-    for row in ids:
-        start, end = document_bounds(row[None])
-        if causal:
-            seen = pos - start + 1
-            if window is not None:
-                seen = seen.clamp(max=window)
-        else:
-            lo, hi = start, end
-            if window is not None:
-                lo, hi = torch.maximum(lo, pos - window + 1), torch.minimum(hi, pos + window)
-            seen = hi - lo
-        work += seen
+    for row in document_ids.cpu():
+        lo, hi = KeyRule(causal, window, *document_bounds(row[None])).position_spans(seq_len)
+        work += hi - lo
     return work
