@@ -20,8 +20,9 @@ which takes the adapter's full path every time:
 
     python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
 
-Results of earlier runs: eval/results/nvidia-h200/schedule-sweep-2/host-overhead-*.txt and
-eval/results/nvidia-h200/decode/host-overhead-*.txt.
+Results of earlier runs: eval/results/nvidia-h200/decode/host-overhead-*.txt,
+eval/results/nvidia-h200/train/host-overhead-*.txt and, older,
+eval/results/nvidia-h200/archive/kernel-two-warpgroups-2026-11-30-6d558b1/host-overhead-*.txt.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ CACHE_FILE = "autotune.json"
 def _candidates() -> tuple[Schedule, ...]:
     """The default table's tile shapes (schedule.TABLE), each also with half the key tile and
     with the other occupancy of a one-warpgroup tile: the neighbourhood the H200 sweeps found
-    competitive (eval/results/nvidia-h200/schedule-sweep-1 and -2)."""
+    competitive (perf-notes steps 1 and 5; eval/results/nvidia-h200/archive/kernel-tiles-occupancy-*
+    and kernel-two-warpgroups-*)."""
     found: dict = {}
     for row in TABLE:
         s = row.schedule

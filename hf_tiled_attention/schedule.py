@@ -200,7 +200,7 @@ TABLE: tuple[TableRow, ...] = (
              "128 + a smaller tile (144, 160, 192): 128x128 with two warpgroups, even for "
              "short calls, where a 64-row tile is short of registers (step 16)"),
     TableRow(9, None, None, None, ONE_WARPGROUP,
-             "one warpgroup per 64-row tile, two tiles per SM (schedule-sweep-1): causal "
+             "one warpgroup per 64-row tile, two tiles per SM (step 1): causal "
              "masking (step 5), short calls (steps 15, 17), 64 + a smaller tile (step 9)"),
 )
 # On top of the row, per call kind.
