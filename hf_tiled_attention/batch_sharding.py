@@ -131,7 +131,6 @@ class _Cut:
     key_padding: Optional[torch.Tensor]
     shift_labels: Optional[torch.Tensor]
     global_tokens: int
-    ignore_index: int
     fingerprint: tuple
 
     @classmethod
@@ -182,16 +181,16 @@ class _Cut:
                        *[_fingerprint(batch.get(name)) for name in _SEQUENCE_KEYS],
                        _fingerprint(batch.get("cu_seq_lens_q")))
         return cls(batch, seq_len, layout, position_ids, document_ids, key_padding,
-                   shift_labels, global_tokens, ignore_index, fingerprint)
+                   shift_labels, global_tokens, fingerprint)
 
     def local_inputs(self, shards: SequenceShards) -> dict:
         """The model's inputs on this rank: its rows of the padded sequence."""
         extra = self.layout.seq_len - self.seq_len
         batch, world = self.batch, self.layout.world_size
 
-        def local(tensor: torch.Tensor, pad_value=0) -> torch.Tensor:
-            if extra:
-                tensor = _pad(tensor, extra, pad_value, 1)
+        def local(tensor: torch.Tensor) -> torch.Tensor:
+            if extra:  # (zeros: token 0, embeddings 0, padding 0 in attention_mask)
+                tensor = _pad(tensor, extra, 0, 1)
             return shards.shard(tensor, 1).contiguous()  # (transformers .view()s some)
 
         first = batch.get("input_ids", batch.get("inputs_embeds"))
