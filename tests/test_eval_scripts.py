@@ -751,3 +751,39 @@ def test_inspect_cubin_finds_the_step_loops_and_their_spills():
         /*00c0*/                   BRA `(.L_x_2) ;
 """
     assert mma_loops(sass) == [dict(span=(0x20, 0x50), instructions=4, mma=1, LDL=1, STL=1)]
+
+
+def test_compare_sweeps_reads_forward_and_backward_csvs(tmp_path, capsys):
+    """compare_sweeps pairs tiled's points by the CSV's own point columns (kernel_bench's, or
+    backward_bench's with its pass) and compares the best run of each side."""
+    from eval import compare_sweeps
+
+    def write(name, columns, rows):
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        return path
+
+    forward = list(compare_sweeps.POINT) + ["backend", "status", "gpu_ms"]
+    point = dict(dtype="bf16", batch=1, heads_q=32, heads_kv=8, seq_q=4096, seq_kv=4096,
+                 head_dim=128, causal=True, window=0, left_pad=0.0, backend="tiled",
+                 status="ok")
+    old = write("old.csv", forward, [dict(point, gpu_ms=2.0), dict(point, backend="sdpa_auto",
+                                                                  gpu_ms=1.0)])
+    old2 = write("old2.csv", forward, [dict(point, gpu_ms=1.6)])
+    new = write("new.csv", forward, [dict(point, gpu_ms=1.8)])
+    assert compare_sweeps.main([str(old), str(new)]) == 0
+    assert "after / before geomean 0.9000, 1/1 within 2%" in capsys.readouterr().out
+    compare_sweeps.main([str(old), str(new), "--before-also", str(old2)])
+    assert "after / before geomean 1.1250, 0/1 within 2%" in capsys.readouterr().out
+    backward = list(compare_sweeps.BACKWARD_POINT) + ["backend", "status", "gpu_ms"]
+    rows = [dict(variant="standard", dtype="bf16", batch=2, heads_q=32, heads_kv=8, seq=8192,
+                 head_dim=128, causal=True, backend="tiled", status="ok", gpu_ms=ms, **{"pass": p})
+            for p, ms in (("fwd", 1.0), ("bwd", 3.0))]
+    before = write("bwd_old.csv", backward, rows)
+    after = write("bwd_new.csv", backward, [dict(r, gpu_ms=r["gpu_ms"] * 1.01) for r in rows])
+    compare_sweeps.main([str(before), str(after)])
+    out = capsys.readouterr().out
+    assert "2 points" in out and "geomean 1.0100, 2/2 within 2%" in out and "pass=bwd" in out
