@@ -180,6 +180,7 @@ def test_masks_made_for_local_positions_are_refused():
         (dense, {}, "Tensor attention_mask made for this rank's positions"),
         (TiledMask(True, None, 3), {}, "without a cache: pass use_cache=False"),
         (None, {"cu_seq_lens_q": torch.tensor([0, 16])}, "cu_seq_lens_q/k in the model's kwargs"),
+        (None, {"position_bias": torch.zeros(1, 2, 16, 16)}, "does not take a position_bias"),
     ]
     for mask, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
