@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from context_parallel_runs import REFUSALS, logged_losses, trainer_setup, _weight_sum
 from models import build
@@ -67,3 +68,52 @@ def test_trainer_refuses_a_model_on_another_implementation(tmp_path):
     from hf_tiled_attention.context_parallel_trainer import ContextParallelTrainer
     with pytest.raises(ValueError, match=r"needs the model's attention on 'tiled' .* got 'sdpa'"):
         ContextParallelTrainer(model=build("llama", "sdpa"), **trainer_setup(str(tmp_path)))
+
+
+def _grads(model, **batch):
+    model.train()
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_one_rank_pads_and_routes_the_calls(packed, device):
+    """Context parallelism in this process as one rank (gloo, world 1): shard_batch pads an odd
+    length (packed: documents of 50, 40 and 37 tokens), the model's "tiled" calls are routed
+    over the sharded sequence (on the GPU: the kernels, fp32 as TF32x3), and the loss and
+    gradients are the unsharded step's."""
+    import torch.distributed as dist
+    from transformers import DataCollatorWithFlattening
+
+    import hf_tiled_attention as hta
+    if packed:
+        g = torch.Generator().manual_seed(6)
+        docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (50, 40, 37)]
+        batch = dict(DataCollatorWithFlattening(return_tensors="pt")(
+            [{"input_ids": d} for d in docs]))
+    else:
+        ids = torch.randint(3, 128, (2, 127), generator=torch.Generator().manual_seed(7))
+        batch = dict(input_ids=ids, labels=ids)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    want_loss, want = _grads(build("mistral", "tiled").to(device), **batch, use_cache=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = hta.shard_batch(batch)
+        assert sharded.shards.layout.seq_len > sharded.seq_len  # padded
+        model = build("mistral", "tiled").to(device)
+        with hta.context_parallel(sharded):
+            loss, grads = _grads(model, **sharded.inputs)
+        assert sharded.shards.calls == model.config.num_hidden_layers
+    finally:
+        dist.destroy_process_group()
+    tolerance = 1e-5 if device == "cpu" else 2e-3
+    assert abs(loss - want_loss) <= tolerance * max(abs(want_loss), 1.0)
+    for key in want:
+        scale = max(want[key].abs().max().item(), 1e-3)
+        assert (grads[key] - want[key]).abs().max().item() <= tolerance * scale, key

@@ -255,3 +255,4 @@ def test_bf16_packed_training_step_matches_sdpa():
         ref_err = (want[key] - exact[key]).norm().item()
         err = (grads[key] - exact[key]).norm().item()
         assert err <= 2 * ref_err + 1e-2 * exact[key].norm().item(), (key, err, ref_err)
+
