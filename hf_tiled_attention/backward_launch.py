@@ -18,11 +18,11 @@ from typing import Optional, Sequence
 import torch
 
 from .determinism import deterministic
-from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
-                            NO_MASK_GRAD, AttentionConstants)
-from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, launch_device,
-                     placeholders, score_scalars)
-from .masks import CompactMask, ModMask
+from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, NO_MASK, NO_MASK_GRAD,
+                            AttentionConstants)
+from .launch import (array_constraint, kernel_copy_with_mods, launch_device, placeholders,
+                     score_scalars)
+from .masks import CompactMask, MaskLayout, ModMask, kernel_mask_dtype, mask_layout
 from .memo import memoize
 from .mods import CompiledMods
 from .reference import empty_output
@@ -57,17 +57,8 @@ class BackwardPlan:
         return tuple(self.kv), tuple(self.q)
 
 
-def mask_layout(mask) -> Optional[tuple]:
-    """(kind, dtype as the kernel reads it, batched, headed, per row) of a call's mask."""
-    if mask is None:
-        return None
-    if isinstance(mask, ModMask):
-        return (MASK_MOD, None, mask.batched, mask.headed, True)
-    return (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row)
-
-
 @memoize(1024)
-def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optional[tuple],
+def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optional[MaskLayout],
                   causal: bool, scale: float, windowed: bool, softcap: Optional[float],
                   mods: Optional[CompiledMods] = None,
                   schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,

@@ -11,6 +11,7 @@ import torch
 
 import hf_tiled_attention as hta
 from hf_tiled_attention import kernel_params as P
+from hf_tiled_attention.call_options import call_options
 from gradients import (EMPTY_ROW_CASES, MASK_GRAD_CASES, assert_grads_match,
                        empty_rows_have_zero_grads, op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
@@ -235,8 +236,8 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on
     monkeypatch.setattr(op, "deterministic", lambda: deterministic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
-        op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
-                    window=None, softcap=None, diag_offset=0, mods=compiled,
+        op.backward(torch.ones_like(q), q, k, k, out, lse, None, None,
+                    call_options(None, causal=True, scale=0.25, mods=compiled),
                     learnable=[learnable] * len(compiled.captures))
     assert len(calls) == (1 if on_kernels else 0)
 
