@@ -158,8 +158,8 @@ def backward_cubins(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     q = torch.empty(batch, heads[0], seq, head_dim, dtype=dtype, device="meta")
     k = torch.empty(batch, heads[1], seq, head_dim, dtype=dtype, device="meta")
     schedule = dataclasses.replace(backward_schedule(head_dim), **(overrides or {}))
-    plan = backward_plan(dtype, heads[0] // heads[1], head_dim, None, causal, head_dim ** -0.5,
-                         False, None, None, schedule)
+    plan = backward_plan(dtype, heads[0] // heads[1], head_dim,
+                         call_options(None, causal=causal, scale=head_dim ** -0.5), schedule)
     return export_backward_cubins(plan, q, k, arch=arch)
 
 

@@ -216,15 +216,33 @@ def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
     return max(1, min(slots // blocks, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-def score_scalars(mask_kind: int, has_score_mod: bool, scale: float,
-                  softcap: Optional[float]) -> tuple[float, float, float]:
+def score_scalars(options: CallOptions) -> tuple[float, float, float]:
     """``(score unit, score_scale, softcap_out)`` of the forward and backward kernels alike.
     Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
     A score_mod sees natural-unit scores, as in FlexAttention. Otherwise log2 units."""
-    unit = 1.0 if mask_kind == ADDITIVE_MASK or has_score_mod else LOG2E
+    additive = options.mask_layout is not None and options.mask_layout.kind == ADDITIVE_MASK
+    unit = 1.0 if additive or options.has_score_mod else LOG2E
+    scale, softcap = options.scale, options.softcap
     if softcap is not None:
         return unit, scale / softcap, softcap * unit
     return unit, scale * unit, 0.0
+
+
+def kernel_constants(options: CallOptions, dtype: torch.dtype, head_dim: int,
+                     split_head_dim: bool, **kernel_own) -> AttentionConstants:
+    """The constants of a forward or backward kernel: those the call's options decide, alike
+    in every kernel (the head dim's tiles, causal / window / softcap, the mods, the mask's
+    layout, the score unit), with ``kernel_own``: the fields each kernel sets itself (its
+    tiles and groups, what it writes, its schedule's hints)."""
+    layout = options.mask_layout or NO_MASK_LAYOUT
+    tile_d, tail_d = head_dim_parts(head_dim, split_head_dim)
+    softcapped = options.softcap is not None
+    return AttentionConstants(
+        TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=options.causal, WINDOWED=options.window is not None,
+        SOFTCAP=softcapped, APPROX_TANH=softcapped and dtype != torch.float32,
+        SCORE_MOD=options.has_score_mod, MASK_KIND=layout.kind, MASK_BATCHED=layout.batched,
+        MASK_HEADED=layout.headed, MASK_ROWS=layout.per_row, SCORE_UNIT=score_scalars(options)[0],
+        **kernel_own)
 
 
 @memoize(4096)
@@ -233,35 +251,28 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, options: CallO
                    tile_m: int) -> KernelVariant:
     """The variant of a call with these options (:meth:`CallOptions.without_diagonal`) and
     these properties of its shape; memoised."""
-    layout = options.mask_layout or NO_MASK_LAYOUT
-    softcap = options.softcap
-    has_score_mod = options.has_score_mod
-    score_unit, score_scale, softcap_out = score_scalars(layout.kind, has_score_mod,
-                                                         options.scale, softcap)
+    score_unit, score_scale, softcap_out = score_scalars(options)
     num_worker_warps, occupancy = compiler_hints(schedule, g_tile, tile_m)
-    tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
-    # A key-vector mask has a table where asked; one with heads or rows (or a mask_mod's, one
-    # per row) always.
-    table = options.mask_layout is not None and (layout.headed or layout.per_row
-                                                 or options.key_mask_table)
-    constants = AttentionConstants(
+    layout = options.mask_layout
+    constants = kernel_constants(
+        options, dtype, head_dim, schedule.split_head_dim,
         # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
-        TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=options.causal,
-        WINDOWED=options.window is not None, SOFTCAP=softcap is not None,
-        APPROX_TANH=softcap is not None and dtype != torch.float32, SCORE_MOD=has_score_mod,
-        SCORE_MOD_GRAD=False, MASK_KIND=layout.kind, MASK_BATCHED=layout.batched,
-        MASK_HEADED=layout.headed, MASK_ROWS=layout.per_row, MASK_TABLE=table,
-        SCORE_UNIT=score_unit,
+        SCORE_MOD_GRAD=False,
+        # A key-vector mask has a table where asked; one with heads or rows (or a mask_mod's,
+        # one per row) always.
+        MASK_TABLE=layout is not None and (layout.headed or layout.per_row
+                                           or options.key_mask_table),
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
-        FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
+        FOLD_SCALE=options.softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(options.causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
         MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, TABLE_ORDER=False,
         EDGE_STATES=True, PDL=False, UNCHECKED=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
-        num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=layout.dtype,
+        num_worker_warps=num_worker_warps, dtype=dtype,
+        mask_dtype=None if layout is None else layout.dtype,
         score_scale=float(score_scale), softcap_out=float(softcap_out), mods=options.mods)
 
 

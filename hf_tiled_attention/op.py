@@ -589,9 +589,7 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     on_kernels = kernels_can and not (learned and deterministic())
     if on_kernels and _on_kernels(query):
         from .backward_launch import run_backward
-        return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
-                            causal=options.causal, scale=options.scale, window=options.window,
-                            softcap=options.softcap, diag_offset=options.diag_offset, mods=mods,
+        return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask, options,
                             mask_grad=mask_grad, learnable=learnable, keep=keep)
     if query.numel() and query.device.type == "cuda" and not on_kernels:
         _warn_score_mod_backward_once(mods.names, kernels_can)
