@@ -161,7 +161,7 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     if mask is not None:
         tensor = unused.mask
         if isinstance(mask, CompactMask):
-            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor))
+            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor.dtype))
         sched = plan.schedule
         kv_mask = (tensor,) + tuple(mask.block_table(sched.kv_queries, sched.kv_keys, keep,
                                                      transposed=True))

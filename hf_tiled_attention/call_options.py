@@ -53,7 +53,9 @@ def call_options(mask: Union[CompactMask, ModMask, None], *, causal: bool, scale
                  mods: Optional[CompiledMods] = None) -> CallOptions:
     """The :class:`CallOptions` of a call whose kernels read ``mask`` (its CompactMask, a
     mask_mod's ModMask, or None)."""
-    return CallOptions(bool(causal), float(scale), int(window) if window else None,
-                       float(softcap) if softcap else None, int(diag_offset),
-                       schedule or NO_OVERRIDES, bool(return_lse), bool(key_mask_table), mods,
-                       mask_layout(mask))
+    # (tuple.__new__: the NamedTuple's own constructor is a Python function, and this runs on
+    # every call)
+    return tuple.__new__(CallOptions, (
+        bool(causal), float(scale), int(window) if window else None,
+        float(softcap) if softcap else None, int(diag_offset), schedule or NO_OVERRIDES,
+        bool(return_lse), bool(key_mask_table), mods, mask_layout(mask)))

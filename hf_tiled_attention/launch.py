@@ -22,7 +22,7 @@ import torch
 from .call_options import CallOptions
 from .kernel_params import (ADDITIVE_MASK, LOG2E, NO_MASK, NO_MASK_GRAD, AttentionConstants,
                             MergeConstants)
-from .masks import NO_MASK_LAYOUT, CompactMask, MaskLayout, ModMask
+from .masks import NO_MASK_LAYOUT, CompactMask, MaskLayout, ModMask, kernel_mask_dtype
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
 from .reference import empty_output, output_strides
@@ -272,7 +272,7 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, options: CallO
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
         num_worker_warps=num_worker_warps, dtype=dtype,
-        mask_dtype=None if layout is None else layout.dtype,
+        mask_dtype=None if layout is None else kernel_mask_dtype(layout.dtype),
         score_scale=float(score_scale), softcap_out=float(softcap_out), mods=options.mods)
 
 

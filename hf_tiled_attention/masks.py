@@ -330,8 +330,8 @@ def mod_mask(mods: CompiledMods, batch: int, heads: int, seq_q: int, seq_kv: int
 
 class MaskLayout(NamedTuple):
     """What the kernels' constants (and so a launch plan) depend on of a call's mask: its kind,
-    the dtype the kernel reads (None for a mask_mod), and which of its batch, head and query
-    dims are full."""
+    its tensor's dtype (None for a mask_mod), and which of its batch, head and query dims are
+    full."""
     kind: int
     dtype: Optional[torch.dtype]
     batched: bool
@@ -343,13 +343,16 @@ NO_MASK_LAYOUT = MaskLayout(NO_MASK, None, False, False, False)
 
 
 def mask_layout(mask: Union[CompactMask, ModMask, None]) -> Optional[MaskLayout]:
-    """The :class:`MaskLayout` of a call's mask as the kernels read it, or None."""
+    """The :class:`MaskLayout` of the mask the kernels read, or None."""
     if mask is None:
         return None
-    dtype = None if isinstance(mask, ModMask) else kernel_mask_dtype(mask.tensor)
-    return MaskLayout(mask.kind, dtype, mask.batched, mask.headed, mask.per_row)
+    dtype = None if isinstance(mask, ModMask) else mask.tensor.dtype
+    # (tuple.__new__: the NamedTuple's own constructor is a Python function, and this runs on
+    # every call)
+    return tuple.__new__(MaskLayout, (mask.kind, dtype, mask.batched, mask.headed, mask.per_row))
 
 
-def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
-    """The dtype the kernels read a mask tensor as: bool as uint8 (the same bytes)."""
-    return torch.uint8 if mask.dtype == torch.bool else mask.dtype
+def kernel_mask_dtype(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype the kernels read a mask tensor of ``dtype`` as: bool as uint8 (the same
+    bytes)."""
+    return torch.uint8 if dtype == torch.bool else dtype

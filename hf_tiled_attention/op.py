@@ -226,7 +226,7 @@ def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             or not _unit_stride(query, key, value)):
         return None
     mask = _compacted(attn_mask, query, key)
-    if _records_autograd(query, key, value, mask, mods) or not _on_kernels(query):
+    if _records_autograd(query, key, value, mask, mods):
         return None
     mask = _kernel_mask(mask, mods, query, key, eager=True)
     return _kernel_call(query, key, value, mask, call_options(
@@ -401,8 +401,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
     The LSE is None unless ``options.return_lse`` (the kernel path skips it). ``eager``: False
     when called as the registered op (see :func:`launch.run_kernel`)."""
-    if _on_kernels(query):
-        return _kernel_call(query, key, value, mask, options, eager).launch(query, key, value)
+    call = _kernel_call(query, key, value, mask, options, eager)
+    if call is not None:
+        return call.launch(query, key, value)
     if query.numel():
         _warn_reference_once(query.device)
     mods = options.mods
@@ -411,12 +412,6 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                    softcap=options.softcap, diag_offset=options.diag_offset,
                                    score_mod=None if mods is None else mods.score_mod)
     return out, (lse if options.return_lse else None)
-
-
-def _on_kernels(query: torch.Tensor) -> bool:
-    """Whether the call runs on the cuTile kernels: a capable GPU and toolchain, and elements
-    (else the reference path runs it)."""
-    return query.numel() > 0 and kernel_available(query.device)
 
 
 class KernelCall(NamedTuple):
@@ -442,9 +437,12 @@ class KernelCall(NamedTuple):
 
 def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  mask: Union[CompactMask, ModMask, None], options: CallOptions,
-                 eager: bool = True) -> KernelCall:
-    """The kernel launch of a call that runs on the kernels (:func:`_on_kernels`)."""
+                 eager: bool = True) -> Optional[KernelCall]:
+    """The call's kernel launch, or None where the reference path runs it (no capable GPU or
+    toolchain, or no element)."""
     device = query.device
+    if query.numel() == 0 or not kernel_available(device):
+        return None
     # (an eager call outside capture launches from the host every time: see launch.py)
     keep = may_keep_device_memory(eager, device)
     # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
@@ -456,7 +454,9 @@ def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plan = _plans.get(memo_key)
     if plan is None:
         plan = _plans.put(memo_key, _plan(query, key, value, mask, options, keep))
-    return KernelCall(plan, mask, keep)
+    # (tuple.__new__: the NamedTuple's own constructor is a Python function, and this runs on
+    # every call)
+    return tuple.__new__(KernelCall, (plan, mask, keep))
 
 
 _plans = Memo("launch plans", 4096)
@@ -587,7 +587,7 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     kernels_can = not has_score_mod or (mods.score_mod_differentiable
                                         and set(learned) <= set(mods.capture_grad_slots))
     on_kernels = kernels_can and not (learned and deterministic())
-    if on_kernels and _on_kernels(query):
+    if on_kernels and query.numel() and kernel_available(query.device):
         from .backward_launch import run_backward
         return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask, options,
                             mask_grad=mask_grad, learnable=learnable, keep=keep)
