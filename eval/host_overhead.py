@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention as hta  # noqa: E402
+from hf_tiled_attention.call_options import call_options  # noqa: E402
 from hf_tiled_attention.launch import (launch_arrays, plan_launch,  # noqa: E402
                                        run_kernel)
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
@@ -113,11 +114,10 @@ def main(argv=None) -> int:
     v = torch.randn_like(k)
     sm_count = 132 if args.stub_launch else torch.cuda.get_device_properties(
         q.device).multi_processor_count
-    plan = plan_launch(q, k, None, causal=True, scale=scale, window=None, softcap=None,
-                       diag_offset=args.seq - seq_q,
-                       schedule=resolve_schedule(None, 9, q.dtype, d, True, seq_q=seq_q,
-                                                 seq_kv=args.seq),
-                       return_lse=False, sm_count=sm_count)
+    plan = plan_launch(q, k, call_options(None, causal=True, scale=scale,
+                                          diag_offset=args.seq - seq_q),
+                       resolve_schedule(None, 9, q.dtype, d, True, seq_q=seq_q, seq_kv=args.seq),
+                       sm_count=sm_count)
     print(f"plan: grid {plan.grid}, kv_splits {plan.kv_splits}, rows per tile "
           f"{plan.variant.tile_m} (query heads packed: {plan.variant.g_tile})")
 

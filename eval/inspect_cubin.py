@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_tiled_attention import Schedule  # noqa: E402
+from hf_tiled_attention.call_options import call_options  # noqa: E402
 from hf_tiled_attention.launch import export_cubin, plan_launch  # noqa: E402
 from eval.common import DTYPES, parse_heads, parse_schedules  # noqa: E402
 from hf_tiled_attention.schedule import resolve_schedule  # noqa: E402
@@ -69,9 +70,9 @@ def compile_cubin(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     arch_major = int(arch.removeprefix("sm_")) // 10
     resolved = resolve_schedule(schedule, arch_major, dtype, head_dim, causal, seq_q=seq_q,
                                 seq_kv=seq_kv)
-    plan = plan_launch(q, k, None, causal=causal, scale=head_dim ** -0.5, window=None,
-                       softcap=None, diag_offset=seq_kv - seq_q, schedule=resolved,
-                       return_lse=True, sm_count=sm_count)
+    options = call_options(None, causal=causal, scale=head_dim ** -0.5,
+                           diag_offset=seq_kv - seq_q, return_lse=True)
+    plan = plan_launch(q, k, options, resolved, sm_count=sm_count)
     return export_cubin(plan, q, k, arch=arch)
 
 
@@ -157,8 +158,8 @@ def backward_cubins(*, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16,
     q = torch.empty(batch, heads[0], seq, head_dim, dtype=dtype, device="meta")
     k = torch.empty(batch, heads[1], seq, head_dim, dtype=dtype, device="meta")
     schedule = dataclasses.replace(backward_schedule(head_dim), **(overrides or {}))
-    plan = backward_plan(dtype, heads[0] // heads[1], head_dim, None, causal, head_dim ** -0.5,
-                         False, None, None, schedule)
+    plan = backward_plan(dtype, heads[0] // heads[1], head_dim,
+                         call_options(None, causal=causal, scale=head_dim ** -0.5), schedule)
     return export_backward_cubins(plan, q, k, arch=arch)
 
 

@@ -1,9 +1,11 @@
 """Host side of the backward kernels (backward_kernel.py): from the op's saved tensors to the
 two launches.
 
-:func:`backward_plan` (memoised on shapes-free properties) turns a call into the two kernels'
-constants, as :class:`~hf_tiled_attention.kernel_params.AttentionConstants` tuples (the
-forward's declaration: TILE_M the query tile, TILE_N the key tile), and the score scalars;
+:func:`backward_plan` (memoised on shapes-free properties) turns a call's options
+(:class:`~hf_tiled_attention.call_options.CallOptions`) into the two kernels' constants, as
+:class:`~hf_tiled_attention.kernel_params.AttentionConstants` tuples (the forward's declaration,
+made by launch.kernel_constants: TILE_M the query tile, TILE_N the key tile), and the score
+scalars;
 :func:`backward_arrays` builds what each launch passes (it works on meta tensors too, which is
 how the CPU tests compile every backward variant); :func:`run_backward` launches them.
 """
@@ -17,16 +19,17 @@ from typing import Optional, Sequence
 
 import torch
 
+from .call_options import CallOptions
 from .determinism import deterministic
-from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, MASK_MOD, NO_MASK,
-                            NO_MASK_GRAD, AttentionConstants)
-from .launch import (array_constraint, kernel_copy_with_mods, kernel_mask_dtype, launch_device,
+from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, NO_MASK, NO_MASK_GRAD,
+                            AttentionConstants)
+from .launch import (array_constraint, kernel_constants, kernel_copy_with_mods, launch_device,
                      placeholders, score_scalars)
-from .masks import CompactMask, ModMask
+from .masks import NO_MASK_LAYOUT, CompactMask, ModMask, kernel_mask_dtype
 from .memo import memoize
 from .mods import CompiledMods
 from .reference import empty_output
-from .schedule import BackwardSchedule, backward_schedule, head_dim_parts, head_dim_tile
+from .schedule import BackwardSchedule, backward_schedule, head_dim_tile
 
 @dataclass(frozen=True)
 class BackwardPlan:
@@ -57,58 +60,44 @@ class BackwardPlan:
         return tuple(self.kv), tuple(self.q)
 
 
-def mask_layout(mask) -> Optional[tuple]:
-    """(kind, dtype as the kernel reads it, batched, headed, per row) of a call's mask."""
-    if mask is None:
-        return None
-    if isinstance(mask, ModMask):
-        return (MASK_MOD, None, mask.batched, mask.headed, True)
-    return (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed, mask.per_row)
-
-
 @memoize(1024)
-def backward_plan(dtype: torch.dtype, group: int, head_dim: int, layout: Optional[tuple],
-                  causal: bool, scale: float, windowed: bool, softcap: Optional[float],
-                  mods: Optional[CompiledMods] = None,
+def backward_plan(dtype: torch.dtype, group: int, head_dim: int, options: CallOptions,
                   schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
                   deterministic: bool = True, capture_grads: int = 0) -> BackwardPlan:
-    """The plan of every call with these properties (the forward's scalars and constants).
+    """The plan of every call with these options and properties (the forward's scalars and
+    constants); run_backward passes :meth:`CallOptions.without_diagonal` (the diagonal is a
+    scalar of the launch).
     ``mask_grad``: the dK/dV kernel also writes the additive mask's gradient; ``deterministic``:
     dQ by its own kernel (bitwise reproducible), else as the schedule says; ``capture_grads``:
     a bit per captured tensor of the score_mod whose gradient the dK/dV kernel adds."""
     schedule = schedule or backward_schedule(head_dim)
-    kind, _, batched, headed, per_row = layout or (NO_MASK, None, False, False, False)
-    has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
-    unit, score_scale, softcap_out = score_scalars(kind, has_score_mod, scale, softcap)
+    layout = options.mask_layout or NO_MASK_LAYOUT
+    masked = layout.kind != NO_MASK
+    unit, score_scale, softcap_out = score_scalars(options)
+    mods = options.mods
+    score_mod_grad = options.has_score_mod and hasattr(mods.module, "score_mod_grad")
 
     dq_add = schedule.dq_add and not deterministic
     mask_grad_mode = NO_MASK_GRAD
     if mask_grad:
-        mask_grad_mode = MASK_GRAD_ROWS if per_row else MASK_GRAD_ROW_SUMS
-
-    tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
+        mask_grad_mode = MASK_GRAD_ROWS if layout.per_row else MASK_GRAD_ROW_SUMS
 
     def constants(tile_m: int, tile_n: int, in_kv_kernel: bool) -> AttentionConstants:
-        return AttentionConstants(
-            GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, TILE_D=tile_d,
-            TAIL_D=tail_d, CAUSAL=bool(causal), WINDOWED=bool(windowed),
-            SOFTCAP=softcap is not None,
-            APPROX_TANH=softcap is not None and dtype != torch.float32,
-            SCORE_MOD=has_score_mod,
-            SCORE_MOD_GRAD=has_score_mod and hasattr(mods.module, "score_mod_grad"),
-            MASK_KIND=kind, MASK_BATCHED=batched, MASK_HEADED=headed, MASK_ROWS=per_row,
-            MASK_TABLE=kind != NO_MASK, SCORE_UNIT=unit, FOLD_SCALE=False, WRITE_LSE=False,
-            HEAVY_FIRST=bool(causal), K_LATENCY=2, V_LATENCY=4,
+        return kernel_constants(
+            options, dtype, head_dim, schedule.split_head_dim,
+            GROUP=group, G_TILE=1, TILE_M=tile_m, TILE_N=tile_n, SCORE_MOD_GRAD=score_mod_grad,
+            MASK_TABLE=masked, FOLD_SCALE=False, WRITE_LSE=False,
+            HEAVY_FIRST=options.causal, K_LATENCY=2, V_LATENCY=4,
             LOAD_TRANSPOSED=schedule.load_transposed,
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
             DQ_ADD=dq_add and in_kv_kernel, CAPTURE_GRADS=capture_grads if in_kv_kernel else 0,
-            TABLE_ORDER=schedule.table_order and kind != NO_MASK and per_row,
+            TABLE_ORDER=schedule.table_order and masked and layout.per_row,
             EDGE_STATES=schedule.edge_states, PDL=schedule.pdl,
             UNCHECKED=schedule.unchecked_loads)
 
     return BackwardPlan(constants(schedule.kv_queries, schedule.kv_keys, True),
                         constants(schedule.q_rows, schedule.q_keys, False), schedule,
-                        float(score_scale), float(softcap_out), float(scale), mods,
+                        float(score_scale), float(softcap_out), options.scale, mods,
                         deterministic)
 
 
@@ -172,7 +161,7 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     if mask is not None:
         tensor = unused.mask
         if isinstance(mask, CompactMask):
-            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor))
+            tensor = mask.tensor.view(kernel_mask_dtype(mask.tensor.dtype))
         sched = plan.schedule
         kv_mask = (tensor,) + tuple(mask.block_table(sched.kv_queries, sched.kv_keys, keep,
                                                      transposed=True))
@@ -228,26 +217,26 @@ def summed_mask_grad(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask | ModMask], *,
-                 causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
-                 diag_offset: int, mods: Optional[CompiledMods] = None,
-                 schedule: Optional[BackwardSchedule] = None, mask_grad: bool = False,
-                 learnable: Sequence[bool] = (), keep: bool = False) -> list[torch.Tensor]:
+                 grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask | ModMask],
+                 options: CallOptions, *, schedule: Optional[BackwardSchedule] = None,
+                 mask_grad: bool = False, learnable: Sequence[bool] = (),
+                 keep: bool = False) -> list[torch.Tensor]:
     """``[dq, dk, dv]``, then with ``mask_grad`` the additive mask's gradient, then the
-    gradient of each captured tensor of ``mods`` flagged in ``learnable`` (in its dtype; the
-    slots must be in ``mods.capture_grad_slots``), from the backward kernels, launched on the
-    current stream (``keep``: see :func:`backward_arrays`). Q, K and V are the forward's, which
-    op.attention gave unit stride along D."""
+    gradient of each captured tensor of ``options.mods`` flagged in ``learnable`` (in its dtype;
+    the slots must be in ``mods.capture_grad_slots``), from the backward kernels, launched on
+    the current stream (``keep``: see :func:`backward_arrays`). ``options``: the forward call's;
+    ``mask``: the mask its kernels read. Q, K and V are the forward's, which op.attention gave
+    unit stride along D."""
     import cuda.tile as ct
 
     capture_grads = sum(1 << slot for slot, flag in enumerate(learnable) if flag)
     plan = backward_plan(query.dtype, query.shape[1] // key.shape[1], query.shape[-1],
-                         mask_layout(mask), bool(causal), float(scale), window is not None,
-                         softcap, mods, schedule or backward_schedule(query.shape[-1]),
-                         mask_grad, deterministic(), capture_grads)
+                         options.without_diagonal(),
+                         schedule or backward_schedule(query.shape[-1]), mask_grad,
+                         deterministic(), capture_grads)
     rows_args, kv_args, q_args, grids, grads = backward_arrays(
-        plan, grad_out, query, key, value, out, lse, grad_lse, mask, diag_offset,
-        window or 0, keep)
+        plan, grad_out, query, key, value, out, lse, grad_lse, mask, options.diag_offset,
+        options.window or 0, keep)
     rows_kernel, kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
     stream = torch._C._cuda_getCurrentRawStream(query.device.index)
@@ -263,7 +252,8 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     if plan.kv.DQ_ADD:
         dq = dq.to(query.dtype)
     learned = [grad.to(t.dtype) for grad, t, flag in
-               zip(d_captures, () if mods is None else mods.captures, learnable) if flag]
+               zip(d_captures, () if options.mods is None else options.mods.captures,
+                   learnable) if flag]
     return ([dq, dk, dv] + ([] if d_mask is None else [summed_mask_grad(d_mask, mask.tensor)])
             + learned)
 

@@ -19,9 +19,10 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .kernel_params import (ADDITIVE_MASK, LOG2E, MASK_MOD, NO_MASK, NO_MASK_GRAD,
-                            AttentionConstants, MergeConstants)
-from .masks import CompactMask, ModMask
+from .call_options import CallOptions
+from .kernel_params import (ADDITIVE_MASK, LOG2E, NO_MASK, NO_MASK_GRAD, AttentionConstants,
+                            MergeConstants)
+from .masks import NO_MASK_LAYOUT, CompactMask, MaskLayout, ModMask, kernel_mask_dtype
 from .memo import Memo, may_keep_device_memory, memoize
 from .mods import CompiledMods, ModError
 from .reference import empty_output, output_strides
@@ -130,24 +131,24 @@ class LaunchPlan:
                                  None if v.mods is None else v.mods.module, self.entry)
 
 
-def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMask | ModMask],
-                *, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
-                diag_offset: int, schedule: Schedule, return_lse: bool,
-                sm_count: int = 0, key_mask_table: bool = True,
-                mods: Optional[CompiledMods] = None, host_launched: bool = False) -> LaunchPlan:
-    """``sm_count`` (the GPU's SM count; 0 = unknown) lets a call with too few query tiles to
+def plan_launch(query: torch.Tensor, key: torch.Tensor, options: CallOptions,
+                schedule: Schedule, *, sm_count: int = 0,
+                host_launched: bool = False) -> LaunchPlan:
+    """The launch of a call with these options (``schedule``: resolved, every field set) on
+    tensors of these shapes and dtypes (meta tensors are fine).
+    ``sm_count`` (the GPU's SM count; 0 = unknown) lets a call with too few query tiles to
     fill the GPU split its keys over several blocks (``Schedule.kv_splits`` = 0);
     ``host_launched`` (an eager call outside CUDA graph capture) limits that to calls whose
     blocks would stream at least EAGER_SPLIT_MIN_BYTES each.
-    ``key_mask_table``: a key-vector mask gets a per-tile state table, so empty key tiles are
-    skipped (a mask with rows or heads always does); traced calls (CUDA graphs) pass False:
-    there the table would be rebuilt by every layer of every step. ``mods``: the call's
-    translated score_mod / mask_mod (a mask_mod comes as ``mask``, a :class:`ModMask`)."""
+    ``options.key_mask_table``: a key-vector mask gets a per-tile state table, so empty key
+    tiles are skipped (a mask with rows or heads always does); traced calls (CUDA graphs) set
+    it False: there the table would be rebuilt by every layer of every step."""
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
     # A mod sees one query head per tile row block (its h is the grid head): no packing.
-    g_tile = 1 if mods is not None else packed_group_tile(schedule, seq_q, group, mask)
+    g_tile = (1 if options.mods is not None
+              else packed_group_tile(schedule, seq_q, group, options.mask_layout))
     if g_tile > 1:  # the smallest packed tile that holds the group's heads x positions
         tile_m = min(max(PACKED_TILE_ROWS[0], g_tile * _next_power_of_two(seq_q)),
                      schedule.pack_tile_m)
@@ -158,8 +159,9 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
     pack = min(group, g_tile)  # query heads per tile row group
     heads_grid = heads_q // pack
     # Keys the first query tile sees (decode has one query tile): what its splits share.
+    diag_offset, window = options.diag_offset, options.window
     lo, hi, _, _ = key_span(diag_offset, diag_offset + min(rows, seq_q) - 1, seq_kv,
-                            window or 0, causal, window is not None)
+                            window or 0, options.causal, window is not None)
     visible = max(hi - lo, 0)
     splits = 1
     if seq_q <= DECODE_QUERY_ROWS:  # key splits serve short queries only (Schedule.kv_splits)
@@ -168,37 +170,30 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, mask: Optional[CompactMa
                             math.ceil(visible / schedule.tile_n), sm_count,
                             compiler_hints(schedule, g_tile, tile_m)[1],
                             host_launched and short_stream)
-    mask_layout = None
-    if isinstance(mask, ModMask):
-        mask_layout = (MASK_MOD, None, mask.batched, mask.headed, True, True)
-    elif mask is not None:
-        mask_layout = (mask.kind, kernel_mask_dtype(mask.tensor), mask.batched, mask.headed,
-                       mask.per_row, bool(mask.headed or mask.per_row or key_mask_table))
     # Split blocks always write their LSE: the merge weighs the slices with it.
-    variant = kernel_variant(query.dtype, group, head_dim, mask_layout, bool(causal),
-                             float(scale), window is not None, softcap, schedule,
-                             bool(return_lse or splits > 1), g_tile, tile_m, mods)
+    variant = kernel_variant(query.dtype, group, head_dim, options.without_diagonal(), schedule,
+                             options.return_lse or splits > 1, g_tile, tile_m)
     grid = (m_tiles * splits, heads_grid, batch)
     merge = None
     if splits > 1:  # the merge takes the query's own rows: at most 16 (DECODE_QUERY_ROWS)
         merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
-                                bool(return_lse))
-    return LaunchPlan(variant=variant, grid=grid, diag_offset=int(diag_offset),
-                      window=int(window or 0), kv_splits=splits, return_lse=bool(return_lse),
+                                options.return_lse)
+    return LaunchPlan(variant=variant, grid=grid, diag_offset=diag_offset,
+                      window=window or 0, kv_splits=splits, return_lse=options.return_lse,
                       merge=merge,
                       views=buffer_views(batch, heads_q, heads_grid, seq_q, head_dim, g_tile,
                                          splits, m_tiles))
 
 
 def packed_group_tile(schedule: Schedule, seq_q: int, group: int,
-                      mask: Optional[CompactMask]) -> int:
+                      mask_layout: Optional[MaskLayout]) -> int:
     """1, or for a short query with GQA/MQA (``Schedule.pack_gqa``) the group size rounded up to
     a power of two: the tile's rows are then the group's query heads at a few positions, and
     each K/V tile is read once per group. A group of more than PACKED_MAX_GROUP heads is packed
     by that many when it divides the group (MQA's 32 heads: two tiles per K/V head), else not
     at all. A mask with a head or a row dim keeps one head per tile."""
     if (not schedule.pack_gqa or seq_q > DECODE_QUERY_ROWS or group == 1
-            or (mask is not None and (mask.headed or mask.per_row))):
+            or (mask_layout is not None and (mask_layout.headed or mask_layout.per_row))):
         return 1
     if group > PACKED_MAX_GROUP:
         return PACKED_MAX_GROUP if group % PACKED_MAX_GROUP == 0 else 1
@@ -221,47 +216,64 @@ def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
     return max(1, min(slots // blocks, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-def score_scalars(mask_kind: int, has_score_mod: bool, scale: float,
-                  softcap: Optional[float]) -> tuple[float, float, float]:
+def score_scalars(options: CallOptions) -> tuple[float, float, float]:
     """``(score unit, score_scale, softcap_out)`` of the forward and backward kernels alike.
     Additive masks may hold huge finite values (finfo.min); natural units keep s - max finite.
     A score_mod sees natural-unit scores, as in FlexAttention. Otherwise log2 units."""
-    unit = 1.0 if mask_kind == ADDITIVE_MASK or has_score_mod else LOG2E
+    additive = options.mask_layout is not None and options.mask_layout.kind == ADDITIVE_MASK
+    unit = 1.0 if additive or options.has_score_mod else LOG2E
+    scale, softcap = options.scale, options.softcap
     if softcap is not None:
         return unit, scale / softcap, softcap * unit
     return unit, scale * unit, 0.0
 
 
+def kernel_constants(options: CallOptions, dtype: torch.dtype, head_dim: int,
+                     split_head_dim: bool, **kernel_own) -> AttentionConstants:
+    """The constants of a forward or backward kernel: those the call's options decide, alike
+    in every kernel (the head dim's tiles, causal / window / softcap, the mods, the mask's
+    layout, the score unit), with ``kernel_own``: the fields each kernel sets itself (its
+    tiles and groups, what it writes, its schedule's hints)."""
+    layout = options.mask_layout or NO_MASK_LAYOUT
+    tile_d, tail_d = head_dim_parts(head_dim, split_head_dim)
+    softcapped = options.softcap is not None
+    return AttentionConstants(
+        TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=options.causal, WINDOWED=options.window is not None,
+        SOFTCAP=softcapped, APPROX_TANH=softcapped and dtype != torch.float32,
+        SCORE_MOD=options.has_score_mod, MASK_KIND=layout.kind, MASK_BATCHED=layout.batched,
+        MASK_HEADED=layout.headed, MASK_ROWS=layout.per_row, SCORE_UNIT=score_scalars(options)[0],
+        **kernel_own)
+
+
 @memoize(4096)
-def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, mask_layout: Optional[tuple],
-                   causal: bool, scale: float, windowed: bool, softcap: Optional[float],
+def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, options: CallOptions,
                    schedule: Schedule, write_lse: bool, g_tile: int,
-                   tile_m: int, mods: Optional[CompiledMods] = None) -> KernelVariant:
-    """The variant for one combination of (hashable) call properties; memoised."""
-    mask_kind, mask_dtype, batched, headed, per_row, table = mask_layout or (
-        NO_MASK, None, False, False, False, False)
-    has_score_mod = mods is not None and hasattr(mods.module, "score_mod")
-    score_unit, score_scale, softcap_out = score_scalars(mask_kind, has_score_mod, scale,
-                                                         softcap)
+                   tile_m: int) -> KernelVariant:
+    """The variant of a call with these options (:meth:`CallOptions.without_diagonal`) and
+    these properties of its shape; memoised."""
+    score_unit, score_scale, softcap_out = score_scalars(options)
     num_worker_warps, occupancy = compiler_hints(schedule, g_tile, tile_m)
-    tile_d, tail_d = head_dim_parts(head_dim, schedule.split_head_dim)
-    constants = AttentionConstants(
+    layout = options.mask_layout
+    constants = kernel_constants(
+        options, dtype, head_dim, schedule.split_head_dim,
         # grid heads per kv head: query heads, or packed tiles (MQA's 32 heads: 2 of 16)
         GROUP=group // min(group, g_tile), G_TILE=g_tile, TILE_M=tile_m, TILE_N=schedule.tile_n,
-        TILE_D=tile_d, TAIL_D=tail_d, CAUSAL=causal, WINDOWED=windowed,
-        SOFTCAP=softcap is not None, APPROX_TANH=softcap is not None and dtype != torch.float32,
-        SCORE_MOD=has_score_mod, SCORE_MOD_GRAD=False, MASK_KIND=mask_kind, MASK_BATCHED=batched,
-        MASK_HEADED=headed, MASK_ROWS=per_row, MASK_TABLE=table, SCORE_UNIT=score_unit,
+        SCORE_MOD_GRAD=False,
+        # A key-vector mask has a table where asked; one with heads or rows (or a mask_mod's,
+        # one per row) always.
+        MASK_TABLE=layout is not None and (layout.headed or layout.per_row
+                                           or options.key_mask_table),
         # Additive masks and softcap need scaled scores; a scale <= 0 would not commute with max.
-        FOLD_SCALE=softcap is None and score_unit == LOG2E and score_scale > 0,
-        WRITE_LSE=write_lse, HEAVY_FIRST=bool(causal and schedule.heavy_first),
+        FOLD_SCALE=options.softcap is None and score_unit == LOG2E and score_scale > 0,
+        WRITE_LSE=write_lse, HEAVY_FIRST=bool(options.causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
         MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, TABLE_ORDER=False,
         EDGE_STATES=True, PDL=False, UNCHECKED=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,
-        num_worker_warps=num_worker_warps, dtype=dtype, mask_dtype=mask_dtype,
-        score_scale=float(score_scale), softcap_out=float(softcap_out), mods=mods)
+        num_worker_warps=num_worker_warps, dtype=dtype,
+        mask_dtype=None if layout is None else kernel_mask_dtype(layout.dtype),
+        score_scale=float(score_scale), softcap_out=float(softcap_out), mods=options.mods)
 
 
 def compiler_hints(schedule: Schedule, g_tile: int, tile_m: int) -> tuple[Optional[int], int]:
@@ -285,10 +297,6 @@ def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                      max(1, MERGE_TILE_ELEMENTS // (rows * g_tile * chunk)))
     return MergeConstants(MERGE_ROWS=rows, SPLIT_TILE=split_tile, CHUNK_D=chunk,
                           D_CHUNKS=width // chunk, MERGE_LSE=write_lse)
-
-
-def kernel_mask_dtype(mask: torch.Tensor) -> torch.dtype:
-    return torch.uint8 if mask.dtype == torch.bool else mask.dtype
 
 
 @memoize(256)

@@ -12,13 +12,13 @@ O(Sq x Skv).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, MASK_MOD, TILE_EMPTY, TILE_FULL,
+from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, MASK_MOD, NO_MASK, TILE_EMPTY, TILE_FULL,
                             TILE_PARTIAL)
 from .memo import Memo, register as memo_register
 from .mods import CompiledMods, index_grid
@@ -98,11 +98,6 @@ class CompactMask:
         return _memo_table(self.state_tables, (tile_m, tile_n),
                            lambda: _with_ranges(tile_states(self, tile_m, tile_n)), keep,
                            transposed)
-
-    @property
-    def layout(self) -> tuple:
-        """What a kernel plan depends on: kind, dtype and which dims are full."""
-        return (self.kind, self.tensor.dtype, self.batched, self.headed, self.per_row)
 
     @property
     def trains(self) -> bool:
@@ -266,10 +261,6 @@ class ModMask:
         shape = [visible.shape[0], visible.shape[1], len(rows), len(cols)]
         return visible.expand(shape)
 
-    @property
-    def layout(self) -> tuple:
-        return (MASK_MOD, self.mods.key, self.batched, self.headed, True)
-
     def block_table(self, tile_m: int, tile_n: int, keep: bool = True,
                     transposed: bool = False) -> BlockTable:
         return _memo_table(self.state_tables, (tile_m, tile_n),
@@ -335,3 +326,33 @@ def mod_mask(mods: CompiledMods, batch: int, heads: int, seq_q: int, seq_kv: int
            seq_kv, device)
     return _mod_masks.get_or_make(key, lambda: ModMask(mods, batch, heads, seq_q, seq_kv,
                                                        device), keep)
+
+
+class MaskLayout(NamedTuple):
+    """What the kernels' constants (and so a launch plan) depend on of a call's mask: its kind,
+    its tensor's dtype (None for a mask_mod), and which of its batch, head and query dims are
+    full."""
+    kind: int
+    dtype: Optional[torch.dtype]
+    batched: bool
+    headed: bool
+    per_row: bool
+
+
+NO_MASK_LAYOUT = MaskLayout(NO_MASK, None, False, False, False)
+
+
+def mask_layout(mask: Union[CompactMask, ModMask, None]) -> Optional[MaskLayout]:
+    """The :class:`MaskLayout` of the mask the kernels read, or None."""
+    if mask is None:
+        return None
+    dtype = None if isinstance(mask, ModMask) else mask.tensor.dtype
+    # (tuple.__new__: the NamedTuple's own constructor is a Python function, and this runs on
+    # every call)
+    return tuple.__new__(MaskLayout, (mask.kind, dtype, mask.batched, mask.headed, mask.per_row))
+
+
+def kernel_mask_dtype(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype the kernels read a mask tensor of ``dtype`` as: bool as uint8 (the same
+    bytes)."""
+    return torch.uint8 if dtype == torch.bool else dtype

@@ -7,7 +7,10 @@ goes through ``torch.ops.hf_tiled_attention.attention``, a ``torch.library`` cus
 fake implementation and a registered backward op; an eager call that autograd records goes
 through ``_EagerAttention``, an ``autograd.Function``; eager inference calls it directly. The
 two eager routes skip the dispatcher, whose round trips cost more host time than a short
-call's kernels take.
+call's kernels take. The implementations take the call's options as one record,
+:class:`~hf_tiled_attention.call_options.CallOptions`, made once per call: by ``attention``
+(and ``inference_call``) on the eager routes, from the registered ops' flat arguments by
+``_op_call``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from . import autotune
+from .call_options import NO_OVERRIDES, CallOptions, call_options
 from .checks import check_inputs, check_options, check_sinks
 from .determinism import deterministic
 from .kernel_params import NO_MASK
@@ -42,7 +46,6 @@ HIGHER_ORDER_UNSUPPORTED = (
     "attn_implementation='eager' in transformers, or "
     "torch.nn.functional.scaled_dot_product_attention with the math backend (inside "
     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)).")
-_NO_OVERRIDES = Schedule()  # built once: a Schedule validates itself on construction
 
 
 def tiled_attention(
@@ -174,34 +177,39 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not _unit_stride(query, key, value):
         # Tile loads need unit stride along D; every framework layout already has it.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    schedule = schedule or _NO_OVERRIDES
     compiling = torch.compiler.is_compiling()
     # (eager only: a transform would reach torch's own messages from deep inside the call)
     if not compiling and torch._C._are_functorch_transforms_active():
         raise RuntimeError(HIGHER_ORDER_UNSUPPORTED)
     if compiling:
-        # Traced graphs need the registered op (fake impl; its backward is registered below).
-        # Mods cross as their generated code's key and their captured tensors.
+        # Traced graphs need the registered op (fake impl; its backward is registered below),
+        # whose schema is flat: its implementation makes the call's record (_op_call). Mods
+        # cross as their generated code's key and their captured tensors.
         out, lse = torch.ops.hf_tiled_attention.attention(
             query, key, value, None if mask is None else mask.tensor,
             NO_MASK if mask is None else mask.kind, causal, scale, window or 0,
-            float(softcap or 0.0), int(diag_offset), schedule.as_list(),
+            float(softcap or 0.0), int(diag_offset), (schedule or NO_OVERRIDES).as_list(),
             None if mods is None else mods.key, [] if mods is None else list(mods.captures),
             False)
         return out, (lse if return_lse else None)
-    if _records_autograd(query, key, value, mask, mods):
+    mask = _kernel_mask(mask, mods, query, key, eager=True)
+    recorded = _records_autograd(query, key, value, mask, mods)
+    options = call_options(mask, causal=causal, scale=scale, window=window, softcap=softcap,
+                           diag_offset=diag_offset, schedule=schedule,
+                           # (the LSE of a recorded call is the backward's input)
+                           return_lse=return_lse or recorded, key_mask_table=key_mask_table,
+                           mods=mods)
+    if recorded:
         captures = () if mods is None else mods.captures
         # An additive mask that requires grad is an input of the autograd node (its gradient
         # is the scores'); a bool mask or one autograd does not track is not.
         trained_mask = mask.tensor if isinstance(mask, CompactMask) and mask.trains else None
-        out, lse = _EagerAttention.apply(query, key, value, mask, mods, (
-            causal, scale, window or None, softcap or None, int(diag_offset), schedule,
-            key_mask_table), trained_mask, *captures)
+        out, lse = _EagerAttention.apply(query, key, value, mask, options, trained_mask,
+                                         *captures)
         return out, (lse if return_lse else None)
     # Eager inference: call the implementation directly; the dispatcher round trip costs more
     # host time than a short attention call takes on the GPU.
-    return _forward(query, key, value, mask, causal, scale, window or None, softcap or None,
-                    int(diag_offset), schedule, return_lse, key_mask_table, mods)
+    return _forward(query, key, value, mask, options)
 
 
 def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -220,9 +228,10 @@ def inference_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask = _compacted(attn_mask, query, key)
     if _records_autograd(query, key, value, mask, mods):
         return None
-    return _kernel_call(query, key, value, mask, causal, _scale_or_default(scale, query),
-                        window or None, softcap or None, int(diag_offset), _NO_OVERRIDES,
-                        False, key_mask_table, mods)
+    mask = _kernel_mask(mask, mods, query, key, eager=True)
+    return _kernel_call(query, key, value, mask, call_options(
+        mask, causal=causal, scale=_scale_or_default(scale, query), window=window,
+        softcap=softcap, diag_offset=diag_offset, key_mask_table=key_mask_table, mods=mods))
 
 
 def _compacted(attn_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[CompactMask]:
@@ -237,6 +246,17 @@ def _compacted(attn_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[Co
     return mask
 
 
+def _kernel_mask(mask: Optional[CompactMask], mods: Optional[CompiledMods], query: torch.Tensor,
+                 key: torch.Tensor, eager: bool) -> Union[CompactMask, ModMask, None]:
+    """The mask the kernels and the reference path read: with a mask_mod its :class:`ModMask`
+    for this shape (shared while the call may keep device memory:
+    memo.may_keep_device_memory), else the call's own."""
+    if mods is None or mods.mask_mod is None:
+        return mask
+    return mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                    query.device, may_keep_device_memory(eager, query.device))
+
+
 def _scale_or_default(scale: Optional[float], query: torch.Tensor) -> float:
     return 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
 
@@ -246,7 +266,8 @@ def _unit_stride(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 
 def _records_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      mask: Optional[CompactMask], mods: Optional[CompiledMods]) -> bool:
+                      mask: Union[CompactMask, ModMask, None],
+                      mods: Optional[CompiledMods]) -> bool:
     """Whether autograd records this eager call: grad mode on and an input that requires grad
     (the additive mask's too: a bool mask, or one autograd does not track, is no input)."""
     if not torch.is_grad_enabled():
@@ -298,14 +319,12 @@ class _EagerAttention(torch.autograd.Function):
     layer take (eval/host_overhead.py's training row)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, mods, options, trained_mask, *captures):
-        causal, scale, window, softcap, diag_offset, schedule, key_mask_table = options
-        out, lse = _forward(query, key, value, mask, causal, scale, window, softcap,
-                            diag_offset, schedule, True, key_mask_table, mods)
+    def forward(ctx, query, key, value, mask, options, trained_mask, *captures):
+        out, lse = _forward(query, key, value, mask, options)
         # (the mask's tensor too: autograd then refuses a backward after it changed in place)
         ctx.save_for_backward(query, key, value, out, lse, *captures,
-                              *(() if mask is None else (mask.tensor,)))
-        ctx.mask, ctx.mods, ctx.options = mask, mods, options
+                              *((mask.tensor,) if isinstance(mask, CompactMask) else ()))
+        ctx.mask, ctx.options = mask, options
         ctx.set_materialize_grads(False)  # an unused LSE brings no zero gradient to read
         return out, lse
 
@@ -313,17 +332,15 @@ class _EagerAttention(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors[:5]
-        causal, scale, window, softcap, diag_offset, _, _ = ctx.options
-        mask_grad = ctx.needs_input_grad[6]
-        learnable = list(ctx.needs_input_grad[7:])
+        mask_grad = ctx.needs_input_grad[5]
+        learnable = list(ctx.needs_input_grad[6:])
         if grad_out is None:  # only the LSE was used
             grad_out = torch.zeros_like(out)
         grads = backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse,
-                         ctx.mask, causal=causal, scale=scale, window=window, softcap=softcap,
-                         diag_offset=diag_offset, mods=ctx.mods, learnable=learnable,
-                         mask_grad=mask_grad, keep=may_keep_device_memory(True, query.device))
+                         ctx.mask, ctx.options, learnable=learnable, mask_grad=mask_grad,
+                         keep=may_keep_device_memory(True, query.device))
         rest = iter(grads[3:])
-        return (grads[0], grads[1], grads[2], None, None, None,
+        return (grads[0], grads[1], grads[2], None, None,
                 next(rest) if mask_grad else None,
                 *(next(rest) if flag else None for flag in learnable))
 
@@ -351,48 +368,50 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (memo.may_keep_device_memory). No default
     value: the dispatcher drops trailing arguments equal to their defaults, and autograd then
     expects one gradient fewer."""
-    compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
+    mask, options = _op_call(query, key, mask, mask_kind, causal, scale, window, softcap,
+                             diag_offset, mods_key, captures, eager, Schedule.from_list(schedule))
+    return _forward(query, key, value, mask, options, eager=eager)
+
+
+def _op_call(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor],
+             mask_kind: int, causal: bool, scale: float, window: int, softcap: float,
+             diag_offset: int, mods_key: Optional[str], captures: list, eager: bool,
+             schedule: Optional[Schedule] = None,
+             ) -> tuple[Union[CompactMask, ModMask, None], CallOptions]:
+    """The registered ops' flat arguments (a torch.library schema takes no record) as the
+    call's kernel mask and :class:`CallOptions`. The mask comes compact: in an eager call it is
+    the one kept per mask tensor, whose block tables the layers and the backward then share.
+    Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which every
+    layer of every step would rebuild; the kernel applies it on each visited tile. The backward
+    op has no schedule (its kernels do not read the forward's)."""
+    compact = None
+    if mask is not None:
+        compact = (reused_compact_mask(mask, query.shape[0], query.shape[1], query.shape[2],
+                                       key.shape[2]) if eager else CompactMask(mask, mask_kind))
     mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
-    # Traced (torch.compile, CUDA graphs): a key-vector mask gets no per-tile table, which
-    # every layer of every step would rebuild; the kernel applies it on each visited tile.
-    return _forward(query, key, value, compact, causal, scale, window or None, softcap or None,
-                    diag_offset, Schedule.from_list(schedule), True, key_mask_table=eager,
-                    mods=mods, eager=eager)
-
-
-def _op_mask(mask: torch.Tensor, mask_kind: int, query: torch.Tensor, key: torch.Tensor,
-             eager: bool) -> CompactMask:
-    """The registered ops' mask (already compact): in an eager call the one kept per mask
-    tensor, whose block tables the layers and the backward then share."""
-    if eager:
-        return reused_compact_mask(mask, query.shape[0], query.shape[1], query.shape[2],
-                                   key.shape[2])
-    return CompactMask(mask, mask_kind)
+    mask = _kernel_mask(compact, mods, query, key, eager)
+    return mask, call_options(mask, causal=causal, scale=scale, window=window, softcap=softcap,
+                              diag_offset=diag_offset, schedule=schedule, return_lse=True,
+                              key_mask_table=eager, mods=mods)
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             mask: Optional[CompactMask], causal: bool, scale: float, window: Optional[int],
-             softcap: Optional[float], diag_offset: int, explicit: Schedule,
-             return_lse: bool, key_mask_table: bool = True,
-             mods: Optional[CompiledMods] = None, eager: bool = True,
+             mask: Union[CompactMask, ModMask, None], options: CallOptions, eager: bool = True,
              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The op's implementation: the cuTile kernel on a capable GPU, the reference elsewhere.
-    The LSE is None when not ``return_lse`` (the kernel path skips it). ``eager``: False when
-    called as the registered op (see :func:`launch.run_kernel`)."""
-    call = _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_offset,
-                        explicit, return_lse, key_mask_table, mods, eager)
+    The LSE is None unless ``options.return_lse`` (the kernel path skips it). ``eager``: False
+    when called as the registered op (see :func:`launch.run_kernel`)."""
+    call = _kernel_call(query, key, value, mask, options, eager)
     if call is not None:
         return call.launch(query, key, value)
-    device = query.device
     if query.numel():
-        _warn_reference_once(device)
-    if mods is not None and mods.mask_mod is not None:
-        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                        device, may_keep_device_memory(eager, device))
-    out, lse = reference_attention(query, key, value, mask, causal=causal, scale=scale,
-                                   window=window, softcap=softcap, diag_offset=diag_offset,
+        _warn_reference_once(query.device)
+    mods = options.mods
+    out, lse = reference_attention(query, key, value, mask, causal=options.causal,
+                                   scale=options.scale, window=options.window,
+                                   softcap=options.softcap, diag_offset=options.diag_offset,
                                    score_mod=None if mods is None else mods.score_mod)
-    return out, (lse if return_lse else None)
+    return out, (lse if options.return_lse else None)
 
 
 class KernelCall(NamedTuple):
@@ -416,8 +435,9 @@ class KernelCall(NamedTuple):
         return repeatable_launch(self.plan, query, key, value, self.mask)
 
 
-def _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_offset,
-                 explicit, return_lse, key_mask_table, mods, eager=True) -> Optional[KernelCall]:
+def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: Union[CompactMask, ModMask, None], options: CallOptions,
+                 eager: bool = True) -> Optional[KernelCall]:
     """The call's kernel launch, or None where the reference path runs it (no capable GPU or
     toolchain, or no element)."""
     device = query.device
@@ -425,42 +445,38 @@ def _kernel_call(query, key, value, mask, causal, scale, window, softcap, diag_o
         return None
     # (an eager call outside capture launches from the host every time: see launch.py)
     keep = may_keep_device_memory(eager, device)
-    if mods is not None and mods.mask_mod is not None:
-        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                        device, keep)
     # The plan depends on shapes, dtypes and options only: every layer of a forward (and every
-    # step of a static-cache decode) reuses the first call's.
-    memo_key = (query.shape, key.shape, query.dtype, device,
-                None if mask is None else mask.layout, causal, scale, window, softcap,
-                diag_offset, explicit, active_override(), return_lse, key_mask_table,
-                autotune.state(), mods, keep)
+    # step of a static-cache decode) reuses the first call's. The schedule override and the
+    # autotuner's state in force, and whether the launch may keep device memory, are the
+    # process's state at the call, not the caller's options: key parts of their own.
+    memo_key = (query.shape, key.shape, query.dtype, device, options, active_override(),
+                autotune.state(), keep)
     plan = _plans.get(memo_key)
     if plan is None:
-        plan = _plans.put(memo_key, _plan(query, key, value, mask, causal, scale, window,
-                                          softcap, diag_offset, explicit, return_lse,
-                                          key_mask_table, mods, keep))
-    return KernelCall(plan, mask, keep)
+        plan = _plans.put(memo_key, _plan(query, key, value, mask, options, keep))
+    # (tuple.__new__: the NamedTuple's own constructor is a Python function, and this runs on
+    # every call)
+    return tuple.__new__(KernelCall, (plan, mask, keep))
 
 
 _plans = Memo("launch plans", 4096)
 
 
-def _plan(query, key, value, mask, causal, scale, window, softcap, diag_offset, explicit,
-          return_lse, key_mask_table, mods=None, host_launched=False) -> LaunchPlan:
+def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          mask: Union[CompactMask, ModMask, None], options: CallOptions,
+          host_launched: bool = False) -> LaunchPlan:
     """The launch plan of a call: the default table's schedule (or the autotuner's, which may
     time candidates on this call's inputs first) under the call's overrides."""
     device = query.device
     arch_major = _arch_major(device)
+    explicit, causal = options.schedule, options.causal
 
     def plan_with(schedule: Schedule) -> LaunchPlan:
-        return plan_launch(query, key, mask, causal=causal, scale=scale, window=window,
-                           softcap=softcap, diag_offset=diag_offset, schedule=schedule,
-                           return_lse=return_lse, sm_count=_sm_count(device),
-                           key_mask_table=key_mask_table, mods=mods,
+        return plan_launch(query, key, options, schedule, sm_count=_sm_count(device),
                            host_launched=host_launched)
 
     tuned = None
-    if explicit == _NO_OVERRIDES and active_override() is None and autotune.enabled():
+    if explicit == NO_OVERRIDES and active_override() is None and autotune.enabled():
         tune_key = autotune.TuneKey(arch_major, str(query.dtype).removeprefix("torch."),
                                     head_dim_tile(query.shape[-1]), causal,
                                     autotune.seq_bucket(key.shape[2]),
@@ -527,12 +543,10 @@ def _attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: tor
                            mask_grad: bool, eager: bool) -> list[torch.Tensor]:
     """``[dq, dk, dv, (d mask if mask_grad), *(d capture for each capture flagged
     learnable)]``."""
-    compact = None if mask is None else _op_mask(mask, mask_kind, query, key, eager)
-    mods = None if mods_key is None else mods_from_key(mods_key, tuple(captures))
-    return backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse, compact,
-                    causal=causal, scale=scale, window=window or None,
-                    softcap=softcap or None, diag_offset=diag_offset, mods=mods,
-                    learnable=learnable, mask_grad=mask_grad,
+    mask, options = _op_call(query, key, mask, mask_kind, causal, scale, window, softcap,
+                             diag_offset, mods_key, captures, eager)
+    return backward(in_output_layout(grad_out), query, key, value, out, lse, grad_lse, mask,
+                    options, learnable=learnable, mask_grad=mask_grad,
                     keep=may_keep_device_memory(eager, query.device))
 
 
@@ -548,24 +562,22 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, grad_lse, ma
 
 def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-             grad_lse: Optional[torch.Tensor], mask: Optional[CompactMask], *, causal: bool,
-             scale: float, window: Optional[int], softcap: Optional[float], diag_offset: int,
-             mods: Optional[CompiledMods] = None, learnable: Sequence[bool] = (),
-             mask_grad: bool = False, keep: bool = False) -> list[torch.Tensor]:
+             grad_lse: Optional[torch.Tensor], mask: Union[CompactMask, ModMask, None],
+             options: CallOptions, *, learnable: Sequence[bool] = (), mask_grad: bool = False,
+             keep: bool = False) -> list[torch.Tensor]:
     """The backward op's implementation: the cuTile backward kernels on a capable GPU, the
     reference backward elsewhere and for a score_mod the kernels cannot run: one whose
     derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
-    grad (``learnable[i]`` flags ``mods.captures[i]``) whose gradient the kernels cannot add
-    (mod_translator.capture_grad_entries), or any learnable tensor in deterministic mode (the
-    kernels add its gradient by atomics); there the derivative is a vector-Jacobian product
-    of the mod's torch twin, which also gives the learnable tensors' gradients. Returns
+    grad (``learnable[i]`` flags ``options.mods.captures[i]``) whose gradient the kernels
+    cannot add (mod_translator.capture_grad_entries), or any learnable tensor in deterministic
+    mode (the kernels add its gradient by atomics); there the derivative is a vector-Jacobian
+    product of the mod's torch twin, which also gives the learnable tensors' gradients. Returns
     ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of the additive mask's compact
-    tensor (in its dtype), then the learnable captures'.
+    tensor (in its dtype), then the learnable captures'. ``options`` and ``mask``: the forward
+    call's record and the mask its kernels read.
     ``keep``: the block tables made may be kept for later calls
     (memo.may_keep_device_memory)."""
-    if mods is not None and mods.mask_mod is not None:
-        mask = mod_mask(mods, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                        query.device, keep=keep)
+    mods = options.mods
     has_score_mod = mods is not None and mods.score_mod is not None
     # The kernels run a score_mod whose derivative in the score is 1 or was derived
     # (mod_derivative), and add the gradients of the tensors it reads that they can
@@ -577,16 +589,14 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     on_kernels = kernels_can and not (learned and deterministic())
     if on_kernels and query.numel() and kernel_available(query.device):
         from .backward_launch import run_backward
-        return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask,
-                            causal=causal, scale=scale, window=window, softcap=softcap,
-                            diag_offset=diag_offset, mods=mods, mask_grad=mask_grad,
-                            learnable=learnable, keep=keep)
+        return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask, options,
+                            mask_grad=mask_grad, learnable=learnable, keep=keep)
     if query.numel() and query.device.type == "cuda" and not on_kernels:
         _warn_score_mod_backward_once(mods.names, kernels_can)
     dq, dk, dv, d_mask, d_learnable = reference_attention_backward(
-        grad_out, query, key, value, out, lse, grad_lse, mask, causal=causal, scale=scale,
-        window=window, softcap=softcap, diag_offset=diag_offset, mods=mods, learnable=learned,
-        mask_grad=mask_grad)
+        grad_out, query, key, value, out, lse, grad_lse, mask, causal=options.causal,
+        scale=options.scale, window=options.window, softcap=options.softcap,
+        diag_offset=options.diag_offset, mods=mods, learnable=learned, mask_grad=mask_grad)
     return ([dq, dk, dv] + ([d_mask.to(mask.tensor.dtype)] if mask_grad else [])
             + [grad.to(mods.captures[slot].dtype) for grad, slot in zip(d_learnable, learned)])
 

@@ -233,15 +233,15 @@ def test_transformers_overlays_become_mask_mods(pattern):
     b, h, q, k = index_grid(2, (1,), torch.arange(9), torch.arange(9))
     assert torch.equal(m.mods.mask_mod(b, h, q, k) & (k <= q), want)
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.masks import mod_mask
     from hf_tiled_attention.schedule import resolve_schedule
     query = torch.randn(2, 4, 9, 64, dtype=torch.bfloat16)
     key = torch.randn(2, 2, 9, 64, dtype=torch.bfloat16)
     mask = mod_mask(m.mods, 2, 4, 9, 9, torch.device("cpu"))
-    plan = plan_launch(query, key, mask, causal=True, scale=0.125, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, query.dtype, 64, True),
-                       return_lse=False, mods=m.mods)
+    plan = plan_launch(query, key, call_options(mask, causal=True, scale=0.125, mods=m.mods),
+                       resolve_schedule(None, 9, query.dtype, 64, True))
     assert export_cubin(plan, query, key, mask, arch="sm_90")[:4] == b"\x7fELF"
 
 

@@ -186,6 +186,7 @@ def test_llama4_chunks_at_cache_offsets_match_eager_without_a_dense_mask(op_call
 def test_an_overlay_at_cache_offsets_compiles_for_sm90():
     """The shifted mod (offsets read from a captured tensor) compiles into the kernel."""
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.masks import mod_mask
     from hf_tiled_attention.schedule import resolve_schedule
@@ -197,8 +198,7 @@ def test_an_overlay_at_cache_offsets_compiles_for_sm90():
     q = torch.randn(2, 4, 20, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 40, 64, dtype=torch.bfloat16)
     mask = mod_mask(m.mods, 2, 4, 20, 40, torch.device("cpu"))
-    plan = plan_launch(q, k, mask, causal=True, scale=0.125, window=None, softcap=None,
-                       diag_offset=20, schedule=resolve_schedule(None, 9, q.dtype, 64, True,
-                                                                 seq_q=20, seq_kv=40),
-                       return_lse=False, mods=m.mods)
+    plan = plan_launch(q, k, call_options(mask, causal=True, scale=0.125, diag_offset=20,
+                                          mods=m.mods),
+                       resolve_schedule(None, 9, q.dtype, 64, True, seq_q=20, seq_kv=40))
     assert export_cubin(plan, q, k, mask, arch="sm_90")[:4] == b"\x7fELF"

@@ -11,6 +11,7 @@ import torch
 
 import hf_tiled_attention as hta
 from hf_tiled_attention import kernel_params as P
+from hf_tiled_attention.call_options import call_options
 from gradients import (EMPTY_ROW_CASES, MASK_GRAD_CASES, assert_grads_match,
                        empty_rows_have_zero_grads, op_and_definition_grads)
 from semantics import SEMANTIC_CASES, Case
@@ -217,10 +218,10 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on
 
     calls = []
 
-    def stub(grad_out, query, key, value, *args, **kwargs):
-        calls.append(kwargs["mods"].names)
+    def stub(grad_out, query, key, value, out, lse, grad_lse, mask, options, **kwargs):
+        calls.append(options.mods.names)
         return [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)] + [
-            torch.zeros_like(t) for t, flag in zip(kwargs["mods"].captures, kwargs["learnable"])
+            torch.zeros_like(t) for t, flag in zip(options.mods.captures, kwargs["learnable"])
             if flag]
 
     monkeypatch.setattr(op, "kernel_available", lambda device: True)
@@ -235,8 +236,8 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on
     monkeypatch.setattr(op, "deterministic", lambda: deterministic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
-        op.backward(torch.ones_like(q), q, k, k, out, lse, None, None, causal=True, scale=0.25,
-                    window=None, softcap=None, diag_offset=0, mods=compiled,
+        op.backward(torch.ones_like(q), q, k, k, out, lse, None, None,
+                    call_options(None, causal=True, scale=0.25, mods=compiled),
                     learnable=[learnable] * len(compiled.captures))
     assert len(calls) == (1 if on_kernels else 0)
 
@@ -316,9 +317,9 @@ def test_run_backward_plumbing_with_stubbed_launches(monkeypatch, with_mods, lea
     schedule = replace(backward_schedule(32), pdl=pdl, dq_add=dq_add)
 
     def run():
-        return backward_launch.run_backward(out, q, k, k, out, lse, None, None, causal=True,
-                                            scale=0.2, window=None, softcap=None,
-                                            diag_offset=0, mods=mods,
+        return backward_launch.run_backward(out, q, k, k, out, lse, None, None,
+                                            call_options(None, causal=True, scale=0.2,
+                                                         mods=mods),
                                             learnable=[learn] if with_mods else [],
                                             schedule=schedule)
     if dq_add:  # the deterministic mode launches the dQ kernel all the same
@@ -363,8 +364,8 @@ def test_unchecked_loads_read_rows_padded_to_whole_tiles(monkeypatch, unchecked)
                        unchecked_loads=unchecked, dq_add=False)  # (three kernels)
     q, k = torch.randn(2, 4, 200, 32), torch.randn(2, 2, 200, 32)
     backward_launch.run_backward(q, q, k, k, q, torch.randn(q.shape[:3]), None, None,
-                                 causal=True, scale=0.2, window=None, softcap=None,
-                                 diag_offset=0, schedule=schedule)
+                                 call_options(None, causal=True, scale=0.2),
+                                 schedule=schedule)
     rows = 256 if unchecked else 200  # (200 rounded up to the 128-row dQ tiles)
     (rows_grid, rows_args), (_, kv_args), (_, q_args) = launches
     assert rows_grid == (math.ceil(rows / 32), 4, 2)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hf_tiled_attention as hta
-from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins, mask_layout
+from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
+from hf_tiled_attention.call_options import call_options
 from hf_tiled_attention.masks import compact_mask, mod_mask
 from hf_tiled_attention.mods import compile_mods
 from hf_tiled_attention.schedule import backward_schedule
@@ -63,8 +64,9 @@ def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="b
         compact = mod_mask(mods, B, HQ, S, S, torch.device("cpu"))
     schedule = replace(backward_schedule(head_dim), dq_add=dq_add, **schedule_changes)
     capture_grads = sum(1 << s for s in mods.capture_grad_slots) if learn_captures else 0
-    plan = backward_plan(dtype, HQ // HKV, head_dim, mask_layout(compact), causal, 0.1,
-                         window is not None, softcap, mods, schedule, mask_grad, not dq_add,
+    options = call_options(compact, causal=causal, scale=0.1, window=window, softcap=softcap,
+                           mods=mods)
+    plan = backward_plan(dtype, HQ // HKV, head_dim, options, schedule, mask_grad, not dq_add,
                          capture_grads)
     assert plan.kv.DQ_ADD is dq_add and (plan.kv.MASK_GRAD != 0) is mask_grad
     if score_mod is not None:  # a score_mod that is not additive brings its derivative

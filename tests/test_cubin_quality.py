@@ -65,8 +65,8 @@ def test_backward_unchecked_loads_shorten_the_steps(documents):
     from dataclasses import replace
 
     import hf_tiled_attention as hta
-    from hf_tiled_attention.backward_launch import (backward_plan, export_backward_cubins,
-                                                    mask_layout)
+    from hf_tiled_attention.backward_launch import backward_plan, export_backward_cubins
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.masks import mod_mask
     from hf_tiled_attention.mods import compile_mods
     from hf_tiled_attention.schedule import backward_schedule
@@ -79,8 +79,8 @@ def test_backward_unchecked_loads_shorten_the_steps(documents):
         mask = mod_mask(mods, 2, 8, 1024, 1024, torch.device("cpu"))
     counts = []
     for unchecked in (False, True):
-        plan = backward_plan(torch.bfloat16, 4, 128, mask_layout(mask), True, 128 ** -0.5,
-                             False, None, mods,
+        plan = backward_plan(torch.bfloat16, 4, 128,
+                             call_options(mask, causal=True, scale=128 ** -0.5, mods=mods),
                              replace(backward_schedule(128), unchecked_loads=unchecked))
         _, kv, dq = (report(c) for c in export_backward_cubins(plan, q, k, mask, arch="sm_90"))
         counts.append((kv["instructions"], dq["instructions"]))

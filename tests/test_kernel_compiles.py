@@ -19,6 +19,7 @@ import torch
 
 import hf_tiled_attention as hta
 
+from hf_tiled_attention.call_options import call_options
 from hf_tiled_attention.kernel_params import AttentionConstants, MergeConstants
 from hf_tiled_attention.launch import export_cubin, plan_launch
 from hf_tiled_attention.masks import compact_mask
@@ -45,9 +46,11 @@ def _plan(dtype, head_dim, *, causal=True, window=128, softcap=30.0, mask="bool_
     }
     compact = None if masks[mask] is None else compact_mask(masks[mask], 2, heads_q, seq_q, 1024)
     schedule = resolve_schedule(schedule, 9, dtype, head_dim, causal, seq_q=seq_q, seq_kv=1024)
-    plan = plan_launch(q, k, compact, causal=causal, scale=0.1, window=window, softcap=softcap,
-                       diag_offset=1024 - seq_q, schedule=schedule, return_lse=return_lse,
-                       sm_count=sm_count, key_mask_table=key_mask_table)
+    plan = plan_launch(q, k, call_options(compact, causal=causal, scale=0.1, window=window,
+                                          softcap=softcap, diag_offset=1024 - seq_q,
+                                          return_lse=return_lse,
+                                          key_mask_table=key_mask_table),
+                       schedule, sm_count=sm_count)
     return plan, (q, k, compact)
 
 
@@ -161,14 +164,12 @@ def test_decode_splits_fill_the_gpu():
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 8, 131072, 128, dtype=torch.bfloat16, device="meta")
     schedule = resolve_schedule(None, 9, torch.bfloat16, 128, True, seq_q=1, seq_kv=131072)
-    long = plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
-                       diag_offset=131071, schedule=schedule, return_lse=False, sm_count=132)
+    options = call_options(None, causal=True, scale=0.1, diag_offset=131071)
+    long = plan_launch(q, k, options, schedule, sm_count=132)
     assert long.kv_splits == 33 and long.grid == (33, 8, 1)   # one wave of 264 blocks
     assert long.merge.SPLIT_TILE == 16   # 33 slices in three loads
-    big_batch = plan_launch(q.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1), None,
-                            causal=True, scale=0.1, window=None, softcap=None,
-                            diag_offset=131071, schedule=schedule, return_lse=False,
-                            sm_count=132)
+    big_batch = plan_launch(q.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1), options,
+                            schedule, sm_count=132)
     assert big_batch.kv_splits == 1 and big_batch.merge is None  # 256 blocks fill it already
 
 
@@ -184,9 +185,9 @@ def test_host_launched_decode_splits_only_long_key_streams():
         schedule = resolve_schedule(None, 9, dtype, head_dim, True, seq_q=1, seq_kv=seq_kv)
         if kv_splits is not None:
             schedule = dataclasses.replace(schedule, kv_splits=kv_splits)
-        return plan_launch(q, k, None, causal=True, scale=0.1, window=None, softcap=None,
-                           diag_offset=seq_kv - 1, schedule=schedule, return_lse=False,
-                           sm_count=132, host_launched=host_launched)
+        return plan_launch(q, k, call_options(None, causal=True, scale=0.1,
+                                              diag_offset=seq_kv - 1),
+                           schedule, sm_count=132, host_launched=host_launched)
 
     # 2 x 1025 keys x 128 x 2 bytes: 0.5 MB per block
     assert plan(1025, True).kv_splits == 1 and plan(1025, True).merge is None

@@ -110,11 +110,13 @@ def test_dq_added_by_the_kv_kernel_only_in_the_fast_mode_up_to_d64(head_dim, det
     perf-notes step 46), but only when the backward need not be deterministic; the deterministic
     mode and the larger head dims launch the dQ kernel."""
     from hf_tiled_attention.backward_launch import backward_plan
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.schedule import backward_schedule
 
     schedule = backward_schedule(head_dim)
     assert schedule.dq_add is (head_dim <= 64)
-    plan = backward_plan(torch.bfloat16, 4, head_dim, None, True, head_dim ** -0.5, False,
-                         None, None, schedule, False, deterministic)
+    plan = backward_plan(torch.bfloat16, 4, head_dim,
+                         call_options(None, causal=True, scale=head_dim ** -0.5), schedule,
+                         False, deterministic)
     assert plan.kv.DQ_ADD is (head_dim <= 64 and not deterministic)
     assert not plan.q.DQ_ADD

@@ -264,6 +264,7 @@ def test_kernel_compile_errors_name_the_mod():
     import types
 
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.mods import CompiledMods
     from hf_tiled_attention.schedule import resolve_schedule
@@ -273,9 +274,8 @@ def test_kernel_compile_errors_name_the_mod():
     module.score_mod = _rejected_by_cutile
     broken = CompiledMods("broken", module, (), good.path, good.names)
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
-    plan = plan_launch(q, q, None, causal=False, scale=0.1, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
-                       return_lse=False, mods=broken)
+    plan = plan_launch(q, q, call_options(None, causal=False, scale=0.1, mods=broken),
+                       resolve_schedule(None, 9, q.dtype, 64, False))
     with pytest.raises(ModError, match="score_mod softcap.<locals>.score_mod did not compile"):
         export_cubin(plan, q, q, None, arch="sm_90")
 
@@ -297,11 +297,11 @@ def test_fast_math_division_compiles_for_ints_and_keeps_tile_divisors():
     mods = compile_mods(_halves, None, fast_math=True)
     assert "(kv_idx - q_idx) * 0.5 - q_idx / score" in open(mods.path).read()
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.schedule import resolve_schedule
-    plan = plan_launch(q, q, None, causal=False, scale=0.1, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
-                       return_lse=False, mods=mods)
+    plan = plan_launch(q, q, call_options(None, causal=False, scale=0.1, mods=mods),
+                       resolve_schedule(None, 9, q.dtype, 64, False))
     assert export_cubin(plan, q, q, None, arch="sm_90")[:4] == b"\x7fELF"
 
 
@@ -322,13 +322,13 @@ def test_float_inf_becomes_a_constant():
     want, _ = definition(q, q, q, score_mod=_hide_odd_keys)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.schedule import resolve_schedule
     q = q.to(torch.bfloat16)
     mods = compile_mods(_hide_odd_keys, None)
-    plan = plan_launch(q, q, None, causal=False, scale=0.25, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 16, False),
-                       return_lse=False, mods=mods)
+    plan = plan_launch(q, q, call_options(None, causal=False, scale=0.25, mods=mods),
+                       resolve_schedule(None, 9, q.dtype, 16, False))
     assert export_cubin(plan, q, q, None, arch="sm_90")[:4] == b"\x7fELF"
 
 
@@ -358,6 +358,7 @@ def test_kernel_copy_with_mods_keeps_the_signature():
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.name)
 def test_variant_kernel_compiles_sm90(case):
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.masks import mod_mask
     from hf_tiled_attention.schedule import resolve_schedule
@@ -369,9 +370,9 @@ def test_variant_kernel_compiles_sm90(case):
     causal = kwargs.get("is_causal", False)
     schedule = resolve_schedule(None, 9, q.dtype, case.head_dim, causal, seq_q=case.seq_q,
                                 seq_kv=case.seq_kv)
-    plan = plan_launch(q, k, mask, causal=causal, scale=0.125, window=None, softcap=None,
-                       diag_offset=case.seq_kv - case.seq_q, schedule=schedule,
-                       return_lse=True, mods=mods)
+    plan = plan_launch(q, k, call_options(mask, causal=causal, scale=0.125,
+                                          diag_offset=case.seq_kv - case.seq_q,
+                                          return_lse=True, mods=mods), schedule)
     assert plan.variant.constants.SCORE_MOD == (mods.score_mod is not None)
     cubin = export_cubin(plan, q, k, mask, arch="sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -379,6 +380,7 @@ def test_variant_kernel_compiles_sm90(case):
 
 def test_static_control_flow_compiles_sm90():
     pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.call_options import call_options
     from hf_tiled_attention.launch import export_cubin, plan_launch
     from hf_tiled_attention.masks import mod_mask
     from hf_tiled_attention.schedule import resolve_schedule
@@ -386,9 +388,8 @@ def test_static_control_flow_compiles_sm90():
     mods = compile_mods(None, _static_branches, fast_math=True)
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     mask = mod_mask(mods, 1, 2, 64, 64, torch.device("cpu"))
-    plan = plan_launch(q, q, mask, causal=False, scale=0.1, window=None, softcap=None,
-                       diag_offset=0, schedule=resolve_schedule(None, 9, q.dtype, 64, False),
-                       return_lse=False, mods=mods)
+    plan = plan_launch(q, q, call_options(mask, causal=False, scale=0.1, mods=mods),
+                       resolve_schedule(None, 9, q.dtype, 64, False))
     assert export_cubin(plan, q, q, mask, arch="sm_90")[:4] == b"\x7fELF"
 
 
