@@ -787,3 +787,14 @@ def test_compare_sweeps_reads_forward_and_backward_csvs(tmp_path, capsys):
     compare_sweeps.main([str(before), str(after)])
     out = capsys.readouterr().out
     assert "2 points" in out and "geomean 1.0100, 2/2 within 2%" in out and "pass=bwd" in out
+
+
+def test_fp8_mma_probe_compiles_fp8_warpgroup_mmas(capsys):
+    """Without a GPU the FP8 probe prints its sm_90 cubins' MMA instructions: e4m3 operands
+    become QGMMA with E4M3 inputs and fp32 accumulation in both B layouts, bf16 HGMMA."""
+    from eval import fp8_mma_probe
+    assert fp8_mma_probe.main(["--sass"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    for layout in ("N-major", "K-major"):
+        assert "QGMMA" in lines[f"e4m3 B {layout}"] and "F32.E4M3.E4M3" in lines[f"e4m3 B {layout}"]
+        assert "HGMMA" in lines[f"bf16 B {layout}"] and "F32.BF16" in lines[f"bf16 B {layout}"]
