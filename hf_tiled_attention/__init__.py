@@ -11,10 +11,12 @@ from .memo import cache_sizes, clear_caches
 from .op import kernel_available, tiled_attention
 from .schedule import Schedule, default_schedule, use_schedule
 from .shard_layout import SequenceLayout
+from .varlen import varlen_attention
 from .sharded_attention import SequenceShards, sharded_attention
 
 if _importlib_util.find_spec("transformers") is not None:
     # Registers attn_implementation="tiled" (attention + mask function) on import.
+    from .serving import check_serving
     from .transformers_backend import register
 
     try:
@@ -32,5 +34,7 @@ else:
 __all__ = ["Schedule", "SequenceLayout", "SequenceShards", "ShardedBatch", "cache_sizes",
            "clear_caches", "context_parallel", "default_schedule", "deterministic",
            "kernel_available", "register", "set_deterministic", "shard_batch",
-           "sharded_attention", "tiled_attention", "use_schedule"]
+           "sharded_attention", "tiled_attention", "use_schedule", "varlen_attention"]
+if _importlib_util.find_spec("transformers") is not None:
+    __all__.append("check_serving")
 __version__ = "0.1.0"

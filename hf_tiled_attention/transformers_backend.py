@@ -31,6 +31,7 @@ from .memo import may_keep_device_memory, remembered
 from .mods import CompiledMods, compile_mods, mods_from_key
 from .op import attention as _op_attention
 from .op import inference_call
+from .serving import register_paged
 from .transformers_mask import TiledMask, tiled_mask
 from .variants import and_masks
 
@@ -47,7 +48,8 @@ _UNSUPPORTED_KWARGS = (
 
 def register(name: str = DEFAULT_NAME) -> str:
     """Register the attention function and its mask function under ``name`` in transformers'
-    ``AttentionInterface`` and ``AttentionMaskInterface``; use it as ``attn_implementation``."""
+    ``AttentionInterface`` and ``AttentionMaskInterface``; use it as ``attn_implementation``.
+    Also registers ``"paged|<name>"``, what continuous batching runs (serving.py)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     from transformers import AttentionInterface
@@ -55,6 +57,7 @@ def register(name: str = DEFAULT_NAME) -> str:
 
     AttentionInterface.register(name, tiled_attention_forward)
     AttentionMaskInterface.register(name, tiled_mask)
+    register_paged(name)  # continuous batching's name for it, where transformers has one
     return name
 
 

@@ -1,0 +1,144 @@
+"""Continuous batching (``generate_batch``, ``ContinuousBatchingManager``) on the tiled kernels.
+
+transformers 5.17 and 5.18 serve a model whose attention is ``X`` through the function registered
+as ``"paged|X"`` (``switch_to_cb_friendly_attn`` renames it; a name with "paged|" already in it
+is kept). So registering ``"paged|tiled"`` is the whole route there: a model loaded with
+``attn_implementation="tiled"`` runs its continuous batching on :func:`paged_tiled_attention`.
+That function gets the batch as one packed row (``cu_seq_lens_q/k``, a request's queries being
+the last tokens of its keys), the new tokens' keys and values, and the paged cache with the
+slots to write and read; it writes the new tokens into the cache and runs
+:func:`hf_tiled_attention.varlen.varlen_attention` reading the cache in place (full-attention
+layers) or the window of it that the cache gathers (sliding layers, whose ring buffer the new
+tokens may overwrite).
+
+transformers 5.19 and later (read in 5.19-5.25) admit only ``"paged|eager"``, ``"sdpa"`` and names containing
+"flash" that load as FlashAttention or a Hub kernel, and give any other name no route:
+:func:`check_serving` says so (transformers' own error names neither the version nor us).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PAGED_PREFIX = "paged|"
+# The first transformers release whose continuous batching no longer looks up "paged|<name>".
+FIRST_WITHOUT_PAGED_NAMES = (5, 19)
+
+
+def transformers_version() -> tuple[int, int]:
+    import transformers
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def serves_custom_attention() -> bool:
+    """Whether the installed transformers' continuous batching looks up "paged|<name>"."""
+    return transformers_version() < FIRST_WITHOUT_PAGED_NAMES
+
+
+def register_paged(name: str) -> Optional[str]:
+    """Registers :func:`paged_tiled_attention` as ``"paged|<name>"`` (no mask function: the
+    packed row carries the requests' bounds). Returns the name, or None where the installed
+    transformers has no such route."""
+    if not serves_custom_attention():
+        return None
+    from transformers import AttentionInterface
+    paged_name = PAGED_PREFIX + name
+    AttentionInterface.register(paged_name, paged_tiled_attention)
+    return paged_name
+
+
+def check_serving(model) -> None:
+    """Raises where continuous batching cannot run ``model`` on the tiled kernels: a
+    transformers without the route, or a model whose attention needs what the packed-requests
+    kernel does not compute. Call it before serving; :func:`paged_tiled_attention` calls it on
+    its first layer too."""
+    if not serves_custom_attention():
+        import transformers
+        raise RuntimeError(
+            f"transformers {transformers.__version__}'s continuous batching (generate_batch, "
+            f"ContinuousBatchingManager, transformers serve) admits only 'paged|eager', 'sdpa' "
+            f"and FlashAttention names, so it cannot run attn_implementation='tiled'. "
+            f"transformers 5.17 and 5.18 serve 'tiled' (pip install 'transformers>=5.17,<5.19'); "
+            f"on this version serve with attn_implementation='sdpa' or a flash implementation.")
+    check_served_features(model)
+
+
+def check_served_features(model) -> None:
+    """Raises where ``model``'s attention (a model or its config) needs what the
+    packed-requests kernel does not compute."""
+    config = model.config if hasattr(model, "config") else model
+    config = config.get_text_config()
+    for attribute, feature in _UNSERVED_FEATURES:
+        if getattr(config, attribute, None):
+            raise ValueError(
+                f"attn_implementation='tiled' cannot serve this model with continuous batching: "
+                f"its attention uses {feature} (config.{attribute}), which the packed-requests "
+                f"kernel does not compute. Serve it with attn_implementation='sdpa', or use "
+                f"model.generate() with 'tiled'.")
+
+
+# Config attributes naming an attention feature the packed-requests kernel lacks (the ordinary
+# "tiled" path computes them all).
+_UNSERVED_FEATURES = (
+    ("attention_chunk_size", "chunked attention (Llama 4)"),
+    ("use_bidirectional_attention", "bidirectional attention"),
+    ("relative_attention_num_buckets", "a learned relative position bias (T5)"),
+)
+
+
+def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
+                          dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry under ``"paged|tiled"`` (transformers 5.17-5.18's continuous
+    batching): ``query`` ``(1, Hq, Tq, D)``, ``key``/``value`` ``(1, Hkv, Tq, D)`` the new
+    tokens', ``cache`` the ``PagedAttentionCache``. Returns ``(out (1, Tq, Hq, D), None)``."""
+    from .varlen import varlen_attention
+
+    cache = kwargs.get("cache")
+    if cache is None:
+        raise ValueError("attn_implementation='paged|tiled' is continuous batching's name for "
+                         "'tiled' and needs its paged cache; load the model with "
+                         "attn_implementation='tiled' (generate_batch switches it).")
+    if not getattr(module, "_tiled_serving_checked", False):  # once per layer
+        check_serving(module.config)
+        module._tiled_serving_checked = True
+    if attention_mask is not None:
+        raise ValueError("attn_implementation='tiled' serves continuous batching without a "
+                         "mask (the packed row's cu_seq_lens carry the requests); got a "
+                         f"{type(attention_mask).__name__} attention_mask")
+    if kwargs.get("block_table") is not None:
+        raise ValueError("attn_implementation='tiled' got a block table, which transformers "
+                         "builds for FlashAttention's decode only")
+    # The cache decides which layers slide (1: full attention) and keeps their keys apart.
+    window = cache.sliding_windows[module.layer_idx]
+    window = None if window == 1 else window
+    cu_k = kwargs["cu_seq_lens_k"]
+    if isinstance(cu_k, dict):
+        cu_k = cu_k["sliding_attention" if window else "full_attention"]
+    cu_q = kwargs["cu_seq_lens_q"]
+    max_q = kwargs["max_seqlen_q"]
+    read_index, write_index = kwargs["read_index"], kwargs["write_index"]
+    group, in_group = cache.layer_index_to_group_indices[module.layer_idx]
+
+    if read_index[group].numel() and window is None:
+        # A full-attention layer with cached keys: write the new tokens into their slots, then
+        # read every key of the batch where it lies in the cache.
+        k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+        k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
+        v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
+        keys, values, slots = k_cache, v_cache, read_index[group]
+    else:
+        # Nothing cached yet (the keys are the new tokens'), or a sliding layer (the cache
+        # gathers its window with the new tokens before overwriting the oldest).
+        keys, values = cache.update(key_states=key, value_states=value,
+                                    layer_idx=module.layer_idx, read_index=read_index,
+                                    write_index=write_index)
+        slots = None
+    out = varlen_attention(query[0].transpose(0, 1), keys, values, cu_q.to(torch.int32),
+                           cu_k.to(torch.int32), int(max_q), scale=scaling, window=window,
+                           softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"),
+                           key_slots=slots)
+    return out.unsqueeze(0), None

@@ -1,0 +1,261 @@
+"""Attention over requests packed into one row, each with its own query and key counts: the op
+continuous batching runs (serving.py), on the kernel of varlen_kernel.py or, without a GPU, on
+the reference below (the same semantics, in fp32).
+
+``varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)`` follows
+FlashAttention's varlen interface: request ``r`` owns query rows ``cu_seqlens_q[r] ..
+cu_seqlens_q[r+1]`` and keys ``cu_seqlens_k[r] .. cu_seqlens_k[r+1]``; its queries are its last
+tokens (causal, aligned at the end of the request). With ``key_slots``, ``key``/``value`` are a
+paged cache ``(slots, Hkv, D)`` and ``key_slots[i]`` the slot of packed key ``i``: the kernel
+reads the cache in place.
+
+Nothing here reads a tensor's values on the host (no synchronisation, no allocation that
+depends on them): a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .kernel_params import LOG2E
+from .memo import memoize
+from .schedule import head_dim_tile, varlen_tiles
+
+MAX_GROUP_TILE = 16  # query heads packed into one tile at most (a GQA group)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, *, scale: Optional[float] = None,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None,
+                     key_slots: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of packed requests; returns ``(Tq, Hq, D)`` in the query's dtype.
+
+    query ``(Tq, Hq, D)`` (any strides with a unit last one); key/value ``(Tk, Hkv, D)``
+    unrepeated (Hq a multiple of Hkv), or with ``key_slots`` ``(Tk,)`` int32/64 the cache
+    ``(slots, Hkv, D)``; cu_seqlens_q/k ``(R + 1,)`` int32, non-decreasing, from 0;
+    ``max_seqlen_q``: at least the longest request's query count (rows past it are not
+    computed). ``window``: each query sees the ``window`` keys ending at its own; ``softcap``:
+    ``softcap * tanh(score / softcap)``; ``sinks`` ``(Hq,)``: a learned logit per head in each
+    softmax. Rows of ``out`` past ``cu_seqlens_q[-1]`` are left as they are (zeros when the
+    call allocates it)."""
+    scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
+                   softcap, sinks, key_slots, out)
+    if out is None:
+        out = query.new_zeros(query.shape)
+    from .op import kernel_available
+    if query.numel() and kernel_available(query.device):
+        _launch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
+                softcap, sinks, key_slots, out)
+    else:
+        out.copy_(_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
+                             window, softcap, sinks, key_slots, out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's launch
+# ---------------------------------------------------------------------------------------------
+
+def group_tile(heads_q: int, heads_kv: int) -> int:
+    """Query heads per tile: the GQA group when it is a power of two up to MAX_GROUP_TILE (each
+    key tile then serves the whole group), else 1."""
+    group = heads_q // heads_kv
+    return group if group & (group - 1) == 0 and group <= MAX_GROUP_TILE else 1
+
+
+def launch_arguments(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
+                     softcap, sinks, key_slots, out):
+    """``(grid, arrays, scalars, constants)`` of one launch (also what export_cubin compiles)."""
+    from .varlen_kernel import (G_TILE, PAGED, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N,
+                                WINDOWED)
+    total_q, heads_q, head_dim = query.shape
+    g_tile = group_tile(heads_q, key.shape[1])
+    tile_m, tile_n = varlen_tiles(max_seqlen_q, g_tile, head_dim)
+    constants = [0] * 8
+    constants[TILE_M], constants[TILE_N] = tile_m, tile_n
+    constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
+    constants[PAGED] = key_slots is not None
+    constants[WINDOWED] = window is not None
+    constants[SOFTCAP] = softcap is not None
+    constants[SINKS] = sinks is not None
+    heads = heads_q // g_tile
+    grid = (max(1, math.ceil(max_seqlen_q / (tile_m // g_tile))), cu_seqlens_q.shape[0] - 1,
+            heads)
+    # Arrays the constants keep the kernel from reading stand in for the absent ones.
+    arrays = (query.unflatten(1, (heads, g_tile)), key, value,
+              key_slots if key_slots is not None else cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
+              sinks.float() if sinks is not None else _no_sinks(query.device),
+              out.unflatten(1, (heads, g_tile)))
+    if softcap is not None:
+        scalars = (scale / softcap, softcap * LOG2E, 0)
+    else:
+        scalars = (scale * LOG2E, 0.0, 0)
+    if window is not None:
+        scalars = scalars[:2] + (int(window),)
+    return grid, arrays, scalars, tuple(constants)
+
+
+@memoize(16)
+def _no_sinks(device: torch.device) -> torch.Tensor:
+    return torch.zeros(MAX_GROUP_TILE, dtype=torch.float32, device=device)
+
+
+def _launch(*args) -> None:
+    import cuda.tile as ct
+
+    from .launch import launch_device
+    from .varlen_kernel import varlen_forward_kernel
+
+    grid, arrays, scalars, constants = launch_arguments(*args)
+    query = arrays[0]
+    with launch_device(query.device):
+        ct.launch(torch.cuda.current_stream(query.device).cuda_stream, grid,
+                  varlen_forward_kernel, arrays + scalars + (constants,))
+
+
+def export_cubin(*args, arch: str) -> bytes:
+    """The cubin a launch with these arguments (meta tensors are fine) compiles for ``arch``,
+    built without a GPU by cuTile's exporter."""
+    import io
+
+    import cuda.tile as ct
+    from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
+                                       export_kernel)
+
+    from .launch import array_constraint
+    from .varlen_kernel import varlen_forward_kernel
+
+    _, arrays, scalars, constants = launch_arguments(*args)
+    signature = KernelSignature(
+        [array_constraint(a) for a in arrays]
+        + [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
+           ScalarConstraint(ct.int32), constants],
+        CallingConvention.cutile_python_v2())
+    buffer = io.BytesIO()
+    export_kernel(varlen_forward_kernel, [signature], buffer, gpu_code=arch,
+                  output_format="cubin")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference (CPU, or a GPU without cuTile): request by request, in fp32
+# ---------------------------------------------------------------------------------------------
+
+def _reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
+               softcap, sinks, key_slots, out) -> torch.Tensor:
+    result = out.float()
+    group = query.shape[1] // key.shape[1]
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for request in range(len(cu_q) - 1):
+        q_lo, q_hi, k_lo, k_hi = cu_q[request], cu_q[request + 1], cu_k[request], \
+            cu_k[request + 1]
+        if q_hi - q_lo > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q={max_seqlen_q} is below request {request}'s "
+                             f"{q_hi - q_lo} queries")
+        if q_hi == q_lo:
+            continue
+        if key_slots is not None:
+            slots = key_slots[k_lo:k_hi].long()
+            k, v = key[slots], value[slots]
+        else:
+            k, v = key[k_lo:k_hi], value[k_lo:k_hi]
+        q = query[q_lo:q_hi].float().transpose(0, 1)                     # (Hq, q_len, D)
+        k = k.float().transpose(0, 1).repeat_interleave(group, 0)         # (Hq, k_len, D)
+        v = v.float().transpose(0, 1).repeat_interleave(group, 0)
+        scores = q @ k.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(q_hi - q_lo)[:, None] + (k_hi - k_lo) - (q_hi - q_lo)
+        keys = torch.arange(k_hi - k_lo)[None, :]
+        seen = keys <= pos
+        if window is not None:
+            seen &= keys > pos - window
+        scores = scores.masked_fill(~seen.to(scores.device), -math.inf)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_hi - q_lo, 1)
+            weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, -1)
+        weights = torch.nan_to_num(weights)  # a row that sees no key: zeros
+        result[q_lo:q_hi] = (weights @ v).transpose(0, 1)
+    return result.to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+def _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window, softcap,
+           sinks, key_slots, out) -> float:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            layout = "(Tq, Hq, D)" if name == "query" else "(Tk or slots, Hkv, D)"
+            raise ValueError(f"{name} must be a 3-D tensor {layout}, got "
+                             f"{getattr(tensor, 'shape', type(tensor).__name__)}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last (head) dim")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    if not query.device == key.device == value.device:
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, "
+                         f"{key.device}, {value.device}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have one shape, got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    heads_q, head_dim = query.shape[1], query.shape[2]
+    if key.shape[2] != head_dim or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"query and key must share a head dim between {MIN_HEAD_DIM} and "
+                         f"{MAX_HEAD_DIM}, got {head_dim} and {key.shape[2]}")
+    if key.shape[1] == 0 or heads_q % key.shape[1]:
+        raise ValueError(f"the query heads ({heads_q}) must be a multiple of the key/value "
+                         f"heads ({key.shape[1]})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32 or \
+                cu.numel() < 1 or cu.device != query.device or not cu.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int32 tensor (R + 1,) on the "
+                             f"query's device, got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)} "
+                             f"{tuple(getattr(cu, 'shape', ()))}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (R + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be a positive int (the longest request's query "
+                         f"count), got {max_seqlen_q!r}")
+    if key_slots is not None and (not isinstance(key_slots, torch.Tensor) or
+                                  key_slots.dim() != 1 or
+                                  key_slots.dtype not in (torch.int32, torch.int64) or
+                                  key_slots.device != query.device or
+                                  not key_slots.is_contiguous()):
+        raise ValueError("key_slots must be a contiguous 1-D int32 or int64 tensor (Tk,) on the "
+                         "query's device: the cache slot of each packed key")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or
+                               window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or
+                              sinks.shape != (heads_q,) or not sinks.is_floating_point() or
+                              sinks.device != query.device):
+        raise ValueError(f"sinks must be a floating-point tensor of shape (Hq,) = ({heads_q},) "
+                         f"on the query's device")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or
+                            out.device != query.device or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of the query's shape "
+                         f"{tuple(query.shape)} on its device")
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    return float(scale)

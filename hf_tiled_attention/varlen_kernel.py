@@ -1,0 +1,170 @@
+"""The cuTile kernel for a batch of requests packed into one row (continuous batching).
+
+Request ``r`` owns query rows ``CuQ[r] .. CuQ[r+1]`` and keys ``CuK[r] .. CuK[r+1]`` of the
+packed row; a request's query count may differ from its key count (a decode step, a chunk of a
+prefill after its cached part), and its queries are the last tokens of its keys: query ``i``
+(counted within the request) sits at key position ``i + k_len - q_len`` and sees the keys up to
+it (and, in a window, the ``window`` keys ending there). One block (grid: query tiles x requests
+x heads) computes one output tile of one request, with the online softmax of kernel.py, over
+that request's keys only.
+
+Keys come either packed like the queries (K, V ``(Tk, Hkv, D)``: ``PAGED`` False), or straight
+from a paged cache (K, V ``(slots, Hkv, D)``, the whole cache of the layer; ``Slots[CuK[r] + j]``
+is the slot holding the request's key ``j``), so a decode step reads the cache in place, with no
+gathered copy.
+
+A tile's rows are ``ROWS`` positions x ``G_TILE`` query heads of one key/value head (heads
+fastest; ``G_TILE`` 1: one query head), so each key tile is read once for the whole group.
+"""
+
+import math
+
+import cuda.tile as ct
+
+from .kernel_params import LOG2E
+from .tile_rows import mma
+from .visibility import visible
+
+# The constants tuple C (varlen.py builds it): tile shapes, then the features compiled in.
+TILE_M = 0     # rows per tile (positions x heads)
+TILE_N = 1     # keys per tile
+TILE_D = 2     # head dim, rounded up to a power of two (extra columns read as zeros)
+G_TILE = 3     # query heads per tile (1, or the GQA group when it is a power of two)
+PAGED = 4      # K/V are the cache, read through Slots
+WINDOWED = 5   # a sliding window (the scalar ``window``)
+SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
+SINKS = 7      # a learned sink logit per query head joins each row's softmax
+
+
+def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
+                   score_scale: float,   # scale * LOG2E, or scale / softcap with SOFTCAP
+                   softcap_out: float,   # softcap * LOG2E with SOFTCAP
+                   window: int,
+                   C: ct.Constant):
+    """Q, Out ``(Tq, heads, G_TILE, D)`` (``heads`` = Hq / G_TILE); K, V ``(Tk or slots, Hkv,
+    D)``; Slots ``(Tk,)`` int32 (read with PAGED only); CuQ, CuK ``(R + 1,)`` int32; Sinks
+    ``(Hq,)`` fp32 (read with SINKS only)."""
+    ROWS = C[TILE_M] // C[G_TILE]
+    m_tile = ct.bid(0)
+    request = ct.bid(1)
+    head = ct.bid(2)
+    kv_head = head if C[G_TILE] > 1 else head // (Q.shape[1] // K.shape[1])
+    q_start = ct.load(CuQ, index=(request,), shape=(1,)).item()
+    q_len = ct.load(CuQ, index=(request + 1,), shape=(1,)).item() - q_start
+    k_start = ct.load(CuK, index=(request,), shape=(1,)).item()
+    k_len = ct.load(CuK, index=(request + 1,), shape=(1,)).item() - k_start
+    row_lo = m_tile * ROWS
+    if row_lo < q_len:
+        _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, C, ROWS,
+                      m_tile, head, kv_head, q_start, q_len, k_start, k_len, row_lo)
+
+
+varlen_forward_kernel = ct.kernel(varlen_forward)
+
+
+def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, C, ROWS,
+                  m_tile, head, kv_head, q_start, q_len, k_start, k_len, row_lo):
+    N = C[TILE_N]
+    D = C[TILE_D]
+    M = C[TILE_M]
+    G = C[G_TILE]
+    offset = k_len - q_len                      # query i sits at key position i + offset
+    row_hi = min(row_lo + ROWS, q_len) - 1
+    pos_lo = row_lo + offset
+    pos_hi = row_hi + offset
+    # Keys some row sees: [lo_any, hi_any); keys every row sees: [lo_all, hi_all).
+    hi_any = min(pos_hi + 1, k_len)
+    hi_all = min(pos_lo + 1, k_len)
+    lo_any = 0
+    lo_all = 0
+    if C[WINDOWED]:
+        lo_any = max(pos_lo - window + 1, 0)
+        lo_all = max(pos_hi - window + 1, 0)
+    first = lo_any // N
+    end = ct.cdiv(hi_any, N)
+    full_lo = min(max(ct.cdiv(lo_all, N), first), end)
+    full_hi = max(min(hi_all // N, end), full_lo)
+
+    Q_rows = Q.slice(axis=0, start=q_start, stop=q_start + q_len)
+    Out_rows = Out.slice(axis=0, start=q_start, stop=q_start + q_len)
+    Slots_req = Slots
+    K_req = K
+    V_req = V
+    if C[PAGED]:
+        Slots_req = Slots.slice(axis=0, start=k_start, stop=k_start + k_len)
+    else:
+        K_req = K.slice(axis=0, start=k_start, stop=k_start + k_len)
+        V_req = V.slice(axis=0, start=k_start, stop=k_start + k_len)
+
+    q = ct.load(Q_rows, index=(m_tile, head, 0, 0), shape=(ROWS, 1, G, D),
+                padding_mode=ct.PaddingMode.ZERO).reshape((M, D))
+    row_in_tile = ct.arange(M, dtype=ct.int32)
+    if G > 1:
+        row_in_tile = row_in_tile // G
+    row_pos = (pos_lo + row_in_tile)[:, None]
+    cols = ct.arange(N, dtype=ct.int32)[None, :]
+
+    m_i = ct.full((M, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((M, D), 0.0, dtype=ct.float32)
+    state = (m_i, l_i, acc)
+    arrays = (K_req, V_req, Slots_req)
+    where = (q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out)
+    for j in range(first, full_lo):
+        state = _key_tile(j, state, arrays, where, True, C)
+    for j in range(full_lo, full_hi):
+        state = _key_tile(j, state, arrays, where, False, C)
+    for j in range(full_hi, end):
+        state = _key_tile(j, state, arrays, where, True, C)
+    m_i, l_i, acc = state
+
+    if C[SINKS]:
+        # The sink is one more logit in each row's softmax, with no value: it adds to l only.
+        sink = ct.load(Sinks, index=(head,), shape=(G,)).astype(ct.float32)
+        sink = ct.broadcast_to(sink.reshape((1, G)), (ROWS, G)).reshape((M, 1)) * LOG2E
+        m_new = max(m_i, sink)
+        l_i = l_i * ct.exp2(m_i - m_new, flush_to_zero=True) + \
+            ct.exp2(sink - m_new, flush_to_zero=True)
+        acc = acc * ct.exp2(m_i - m_new, flush_to_zero=True)
+    empty = l_i == 0.0
+    out = ct.where(empty, 0.0, acc / ct.where(empty, 1.0, l_i))
+    ct.store(Out_rows, index=(m_tile, head, 0, 0),
+             tile=out.reshape((ROWS, 1, G, D)).astype(Out.dtype))
+
+
+def _key_tile(j, state, arrays, where, EDGE, C):
+    """One online-softmax step over the request's key tile ``j``. ``EDGE``: the tile may hold
+    keys some rows do not see (apply the causal/window rule); else every row sees all of it."""
+    m_i, l_i, acc = state
+    K, V, Slots = arrays
+    q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out = where
+    N = C[TILE_N]
+    D = C[TILE_D]
+    if C[PAGED]:
+        slots = ct.load(Slots, index=(j,), shape=(N,),
+                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+        k = ct.load_advanced_indexing(K, (slots, ct.Slice(kv_head, 1), ct.Slice(0, D)),
+                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        v = ct.load_advanced_indexing(V, (slots, ct.Slice(kv_head, 1), ct.Slice(0, D)),
+                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    else:
+        k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        v = ct.load(V, index=(j, kv_head, 0), shape=(N, 1, D),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    qk = mma(q, ct.transpose(k), ct.full((C[TILE_M], N), 0.0, dtype=ct.float32))
+    if C[SOFTCAP]:
+        s = ct.tanh(qk * score_scale) * softcap_out
+    else:
+        s = qk * score_scale
+    if EDGE:
+        seen = ct.full((C[TILE_M], N), True, dtype=ct.bool_) & visible(
+            row_pos, j * N + cols, k_len, window, True, C[WINDOWED])
+        s = ct.where(seen, s, -math.inf)
+    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True))
+    m_shift = ct.where(m_new == -math.inf, 0.0, m_new)  # a row with no key yet: exp2 gives 0
+    p = ct.exp2(s - m_shift, flush_to_zero=True)
+    alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    acc = mma(p.astype(v.dtype), v, acc * alpha)
+    return m_new, l_i, acc

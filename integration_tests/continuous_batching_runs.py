@@ -1,0 +1,91 @@
+"""Continuous batching (``generate_batch``) of the tiny test models on "tiled" against "eager":
+transformers' continuous batching on it ("paged|eager"; a batch's MoE layers round unlike a
+single request's, so gpt-oss's tokens differ from ``generate()``'s one request at a time),
+except where "paged|eager" drops an attention feature (Gemma 2's softcap): there eager
+``generate()`` one request at a time. Counts the packed-requests kernel's calls. Runs in the test's process where the installed
+transformers serves "tiled" (5.17-5.18), else as ``python
+integration_tests/continuous_batching_runs.py <models>`` under a transformers 5.17 put first on
+``PYTHONPATH`` (test_continuous_batching.py); prints one JSON line per model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
+
+from hf_tiled_attention import varlen
+
+from models import VOCAB, build
+
+# Requests of different lengths (longer than the models' window of 6), so one batch mixes
+# prefill chunks and decode steps once the short ones finish their prompts.
+PROMPT_LENGTHS = (5, 17, 33, 9, 26, 12)
+NEW_TOKENS = 10
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[list[int]]:
+    """Greedy tokens of ``generate_batch`` (no EOS, a fixed count), in request order. The
+    cache's pages hold 16 tokens, so a request's keys lie on several pages."""
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    # A small token budget splits prompts into chunks (prefill after a cached part).
+    batching = ContinuousBatchingConfig(block_size=16, num_blocks=64,
+                                        max_batch_tokens=max_batch_tokens or 256)
+    results = model.to(device).generate_batch(requests, generation_config=config,
+                                               continuous_batching_config=batching)
+    ordered = sorted(results.values(), key=lambda r: int(r.request_id.split("_")[-1]))
+    return [list(r.generated_tokens) for r in ordered]
+
+
+def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
+    """Greedy tokens of ``generate()``, each request alone."""
+    model = model.to(device)
+    tokens = []
+    for request in requests:
+        ids = torch.tensor([request], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             pad_token_id=0)
+        tokens.append(out[0, ids.shape[1]:].tolist())
+    return tokens
+
+
+def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None) -> dict:
+    """Greedy tokens of eager ``generate()`` and of "tiled" continuous batching for ``name``'s
+    tiny model, the kernel's call count, and how many of those calls read the paged cache in
+    place."""
+    requests = prompts()
+    eager_model = build(name, "eager").to(dtype)
+    if getattr(eager_model.config, "attn_logit_softcapping", None):
+        eager = greedy_one_by_one(eager_model, requests, device)
+    else:
+        eager = greedy_batch(eager_model, requests, max_batch_tokens, device)
+    calls = {"calls": 0, "paged": 0}
+    real = varlen.varlen_attention
+
+    def counted(*args, **kwargs):
+        calls["calls"] += 1
+        calls["paged"] += kwargs.get("key_slots") is not None
+        return real(*args, **kwargs)
+
+    with mock.patch.object(varlen, "varlen_attention", counted):
+        tiled = greedy_batch(build(name, "tiled").to(dtype), requests, max_batch_tokens, device)
+    return {"model": name, "eager": eager, "tiled": tiled, **calls}
+
+
+if __name__ == "__main__":
+    budget = None
+    names = sys.argv[1:]
+    if names and names[0].startswith("--max-batch-tokens="):
+        budget = int(names.pop(0).split("=", 1)[1])
+    for model_name in names:
+        print(json.dumps(run(model_name, max_batch_tokens=budget)), flush=True)

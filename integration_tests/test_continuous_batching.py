@@ -1,0 +1,100 @@
+"""Continuous batching on "tiled": ``generate_batch``'s greedy tokens equal eager's (fp32, CPU;
+continuous_batching_runs.py) with every attention call on the packed-requests op, in one batch
+and with prompts split into chunks; on a transformers that has no route, a clear error.
+
+transformers 5.17 and 5.18 serve "tiled"; newer releases do not. Where the installed one does not,
+the runs go to a subprocess on the transformers 5.17 that .ci/install.sh puts in
+``.venv/transformers-5.17`` (``HTA_TRANSFORMERS_517`` names another folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_tiled_attention as hta
+from hf_tiled_attention import serving
+
+from models import SLIDING_MODELS, build, make_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+OLD_TRANSFORMERS = pathlib.Path(os.environ.get("HTA_TRANSFORMERS_517",
+                                               REPO / ".venv" / "transformers-5.17"))
+MODELS = ["llama", "qwen3", "phi3", "gemma3", "afmoe"] + SLIDING_MODELS
+
+
+def _runs(names: list[str], max_batch_tokens: int | None = None) -> list[dict]:
+    if serving.serves_custom_attention():
+        from continuous_batching_runs import run
+        return [run(name, max_batch_tokens=max_batch_tokens) for name in names]
+    if not (OLD_TRANSFORMERS / "transformers").is_dir():
+        pytest.fail(f"no transformers 5.17 at {OLD_TRANSFORMERS} (bash .ci/install.sh puts it "
+                    f"there) and the installed one has no continuous-batching route")
+    args = [sys.executable, str(REPO / "integration_tests" / "continuous_batching_runs.py")]
+    if max_batch_tokens is not None:
+        args.append(f"--max-batch-tokens={max_batch_tokens}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(OLD_TRANSFORMERS), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(args + names, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("max_batch_tokens", [None, 24], ids=["one-batch", "chunked-prefill"])
+def test_generate_batch_matches_eager(max_batch_tokens):
+    names = MODELS if max_batch_tokens is None else ["llama", "qwen2", "gemma2", "gpt_oss"]
+    runs = _runs(names, max_batch_tokens)
+    assert [r["model"] for r in runs] == names
+    for r in runs:
+        assert r["tiled"] == r["eager"], r["model"]
+        assert len(r["tiled"]) == 6 and all(len(t) == 10 for t in r["tiled"])
+        # Every layer of every step ran the packed-requests op (2 layers per step).
+        assert r["calls"] >= 2 * 10 and r["calls"] % 2 == 0, r
+        # Full-attention layers read the cache in place once requests have cached keys.
+        sliding_only = r["model"] == "mistral"
+        assert (r["paged"] == 0) == sliding_only, r
+
+
+def test_newer_transformers_get_a_clear_error():
+    model = build("llama", "tiled")
+    if serving.serves_custom_attention():
+        hta.check_serving(model)  # no error where the route exists
+        return
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17 and 5\.18 serve 'tiled'"):
+        hta.check_serving(model)
+
+
+def test_unserved_features_are_refused():
+    with pytest.raises(ValueError, match=r"chunked attention \(Llama 4\).*attention_chunk_size"):
+        serving.check_served_features(make_config("llama4"))
+    serving.check_served_features(make_config("gemma2"))  # softcap and windows are served
+
+
+def test_paged_name_needs_the_cache():
+    model = build("llama", "tiled")
+    attention = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(ValueError, match="attn_implementation='tiled'"):
+        serving.paged_tiled_attention(attention, q, q[:, :2], q[:, :2], None, scaling=0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gpt_oss"])
+def test_generate_batch_on_the_kernel(name):
+    """On the GPU (fp32: the kernel's three-TF32 products), where transformers captures the
+    batches in CUDA graphs: eager's tokens, every layer on the kernel."""
+    if not serving.serves_custom_attention():
+        pytest.skip("this transformers has no continuous-batching route (the CPU test runs "
+                    "transformers 5.17 in a subprocess)")
+    from continuous_batching_runs import run
+    for budget in (None, 24):
+        r = run(name, device="cuda", max_batch_tokens=budget)
+        assert r["tiled"] == r["eager"], (name, budget)
+        assert r["calls"] >= 20 and r["paged"] > 0, r

@@ -1,0 +1,171 @@
+"""CPU: the packed-requests op (varlen.py) against a dense definition, its paged reads, its
+argument checks, and its kernel compiling to cubin for sm_80/90/100/120.
+
+The definition: one dense mask over the whole packed row (request ids and end-aligned
+positions) and one softmax, in fp64, written apart from the op's reference (which works
+request by request)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_tiled_attention import varlen, varlen_attention
+
+
+def packed_case(q_lens, k_lens, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.float32,
+                seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(q_lens), sum(k_lens)
+    q = torch.randn(total_q, heads_q, head_dim, generator=generator).to(dtype)
+    k = torch.randn(total_k, heads_kv, head_dim, generator=generator).to(dtype)
+    v = torch.randn(total_k, heads_kv, head_dim, generator=generator).to(dtype)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def definition(q, k, v, cu_q, cu_k, scale, window=None, softcap=None, sinks=None):
+    """fp64 attention over the packed row with one dense (Tq, Tk) mask."""
+    request_q = torch.repeat_interleave(torch.arange(len(cu_q) - 1), (cu_q[1:] - cu_q[:-1]).long())
+    request_k = torch.repeat_interleave(torch.arange(len(cu_k) - 1), (cu_k[1:] - cu_k[:-1]).long())
+    # A query's position counted from its request's last key; a key's likewise.
+    from_end_q = cu_q[1:].long()[request_q] - 1 - torch.arange(len(request_q))
+    from_end_k = cu_k[1:].long()[request_k] - 1 - torch.arange(len(request_k))
+    allowed = (request_q[:, None] == request_k[None, :]) & \
+        (from_end_k[None, :] >= from_end_q[:, None])
+    if window is not None:
+        allowed &= from_end_k[None, :] - from_end_q[:, None] < window
+    group = q.shape[1] // k.shape[1]
+    qd = q.double().transpose(0, 1)
+    kd = k.double().transpose(0, 1).repeat_interleave(group, 0)
+    vd = v.double().transpose(0, 1).repeat_interleave(group, 0)
+    scores = qd @ kd.transpose(1, 2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, len(request_q), 1)],
+                           -1)
+    weights = torch.nan_to_num(torch.softmax(scores, -1))
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return (weights @ vd).transpose(0, 1)
+
+
+# Decode steps (1 query), a chunk after a cached part (3 of 9), a whole prefill (7 of 7), an
+# empty request, and one whose keys all fall outside a small window.
+Q_LENS = (1, 3, 7, 0, 1, 5)
+K_LENS = (12, 9, 7, 4, 20, 40)
+
+
+@pytest.mark.parametrize("features", [
+    {}, {"window": 4}, {"softcap": 2.0}, {"sinks": True}, {"window": 3, "softcap": 5.0, "sinks": True},
+], ids=lambda f: "+".join(f) or "plain")
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2), (3, 1)], ids=str)
+def test_matches_definition(features, heads):
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, *heads)
+    sinks = torch.randn(heads[0]) if features.get("sinks") else None
+    kwargs = dict(window=features.get("window"), softcap=features.get("softcap"), sinks=sinks)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(Q_LENS), scale=0.3, **kwargs)
+    expected = definition(q, k, v, cu_q, cu_k, 0.3, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_reads_equal_gathered():
+    """Keys scattered over a cache's slots, read through ``key_slots``, give the packed keys'
+    result; slots past a request's keys and the rest of the cache are never read."""
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
+    slots = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:k.shape[0]]
+    cache_k = torch.full((300, 2, 16), float("nan"))
+    cache_v = torch.full((300, 2, 16), float("nan"))
+    cache_k[slots], cache_v[slots] = k, v
+    for key_slots in (slots.to(torch.int32), slots):
+        paged = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 7, window=5, key_slots=key_slots)
+        torch.testing.assert_close(paged, varlen_attention(q, k, v, cu_q, cu_k, 7, window=5))
+
+
+def test_rows_past_the_requests_are_left_alone():
+    q, k, v, cu_q, cu_k = packed_case((2, 3), (4, 3))
+    q = torch.cat([q, torch.randn(4, 4, 16)])          # 4 padding rows after the requests
+    out = torch.full_like(q, 7.0)
+    varlen_attention(q, k, v, cu_q, cu_k, 3, out=out)
+    assert (out[5:] == 7.0).all()
+    assert (varlen_attention(q, k, v, cu_q, cu_k, 3)[5:] == 0).all()
+
+
+def test_half_precision_inputs():
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2, dtype=torch.bfloat16)
+    out = varlen_attention(q, k, v, cu_q, cu_k, 7)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), definition(q, k, v, cu_q, cu_k, 0.25),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(query=a["query"][0]), r"query must be a 3-D tensor"),
+    (lambda a: a.update(key=a["key"].half(), value=a["value"].half()), r"share one dtype"),
+    (lambda a: a.update(key=a["key"][:, :1].expand(-1, 3, -1).contiguous(),
+                        value=a["value"][:, :1].expand(-1, 3, -1).contiguous()),
+     r"multiple of the key/value heads"),
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), r"cu_seqlens_q must be .*int32"),
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:-1]), r"one length \(R \+ 1\)"),
+    (lambda a: a.update(max_seqlen_q=0), r"max_seqlen_q must be a positive int"),
+    (lambda a: a.update(max_seqlen_q=2), r"max_seqlen_q=2 is below request 1's 3 queries"),
+    (lambda a: a.update(window=0), r"window must be a positive int"),
+    (lambda a: a.update(softcap=-1.0), r"softcap must be a positive number"),
+    (lambda a: a.update(sinks=torch.zeros(3)), r"sinks must be .*\(Hq,\) = \(4,\)"),
+    (lambda a: a.update(key_slots=torch.zeros(5, dtype=torch.int16)), r"key_slots must be"),
+    (lambda a: a.update(out=torch.empty(3, 4, 16)), r"out must be a contiguous"),
+    (lambda a: a.update(scale=0.0), r"scale must be a positive number"),
+])
+def test_bad_arguments_are_named(change, message):
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
+    args = dict(query=q, key=k, value=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7)
+    change(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        varlen_attention(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel compiles (no GPU: cuTile's exporter)
+# ---------------------------------------------------------------------------------------------
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _launch_args(dtype=torch.bfloat16, heads=(32, 8), head_dim=128, max_q=1, paged=True,
+                 window=None, softcap=None, sinks=False):
+    q = _meta(64, heads[0], head_dim, dtype=dtype)
+    k = _meta(4096, heads[1], head_dim, dtype=dtype)
+    cu = _meta(9, dtype=torch.int32)
+    return (q, k, k, cu, cu, max_q, 0.1, window, softcap,
+            _meta(heads[0], dtype=torch.float32) if sinks else None,
+            _meta(64, dtype=torch.int64) if paged else None, _meta(64, heads[0], head_dim,
+                                                                   dtype=dtype))
+
+
+VARIANTS = {  # decode from the cache; a prefill chunk (gathered keys) with every feature; GQA
+    # groups that do not pack (7) and a head dim that pads (80); fp16 and fp32
+    "decode-paged": {},
+    "prefill-all-features": dict(max_q=300, paged=False, window=128, softcap=30.0, sinks=True),
+    "group7-d80-paged-prefill": dict(heads=(28, 4), head_dim=80, max_q=64),
+    "fp16-d64": dict(dtype=torch.float16, head_dim=64, heads=(16, 16)),
+    "fp32-d256": dict(dtype=torch.float32, head_dim=256, max_q=40, paged=False),
+}
+
+
+# sm_90 (the H200) compiles every variant, the other archs the two main ones.
+CASES = [(variant, "sm_90") for variant in VARIANTS] + [
+    (variant, arch) for variant in ("decode-paged", "prefill-all-features")
+    for arch in ("sm_80", "sm_100", "sm_120")]
+
+
+@pytest.mark.parametrize("variant, arch", CASES, ids=["-".join(c) for c in CASES])
+def test_kernel_compiles(variant, arch):
+    pytest.importorskip("cuda.tile.compilation")
+    cubin = varlen.export_cubin(*_launch_args(**VARIANTS[variant]), arch=arch)
+    assert cubin[:4] == b"\x7fELF"

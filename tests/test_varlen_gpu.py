@@ -1,0 +1,140 @@
+"""GPU: the packed-requests kernel (varlen_kernel.py) against the fp64 definition and the op's
+reference, its paged reads against gathered keys, and its capture in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiled_attention import varlen, varlen_attention
+from test_kernel_gpu import TOLERANCE, _kernel_required, poison_allocator  # noqa: F401
+from test_varlen import definition
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PAGE = 16  # slots per cache page in these tests (transformers' default is 256)
+
+
+def serving_case(q_lens, k_lens, heads_q, heads_kv, head_dim, dtype, seed=0):
+    """Packed requests and a paged cache holding their keys: each request's keys on its own
+    pages, the pages shuffled over the cache, the cache's other slots NaN."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), heads_q, head_dim, generator=g)
+    k, v = (torch.randn(sum(k_lens), heads_kv, head_dim, generator=g) for _ in range(2))
+    pages = sum(-(-n // PAGE) for n in k_lens) + 3
+    order = torch.randperm(pages, generator=g)
+    slots, used = [], 0
+    for n in k_lens:
+        for i in range(n):
+            slots.append(int(order[used + i // PAGE]) * PAGE + i % PAGE)
+        used += -(-n // PAGE)
+    slots = torch.tensor(slots, dtype=torch.int64)
+    cache_k = torch.full((pages * PAGE, heads_kv, head_dim), float("nan"))
+    cache_v = cache_k.clone()
+    cache_k[slots], cache_v[slots] = k, v
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+          for n in (q_lens, k_lens)]
+    on_gpu = [t.cuda() for t in (q, k, v, cache_k, cache_v)]
+    q, k, v, cache_k, cache_v = (t.to(dtype) for t in on_gpu)
+    return q, k, v, cache_k, cache_v, slots.cuda(), cu[0].cuda(), cu[1].cuda()
+
+
+# (query lengths, key lengths): decode steps only; decode and prefill chunks mixed; a long
+# prefill; requests of zero queries; keys over many tiles.
+BATCHES = {
+    "decode": ((1,) * 12, (1, 7, 64, 65, 128, 300, 1000, 2049, 17, 33, 5000, 129)),
+    "mixed": ((1, 37, 1, 200, 1, 64), (900, 37, 3, 1200, 4000, 64)),
+    "prefill": ((700, 129), (700, 1500)),
+    "empty-requests": ((0, 5, 0, 1), (10, 5, 0, 30)),
+}
+FEATURES = {
+    "plain": {}, "window": {"window": 100}, "softcap": {"softcap": 20.0},
+    "sinks": {"sinks": True}, "all": {"window": 33, "softcap": 30.0, "sinks": True},
+}
+HEADS = {"gqa4": (32, 8), "mha": (8, 8), "gqa7": (28, 4), "gqa16": (16, 1)}
+
+
+def check(batch, heads, head_dim, dtype, features, paged):
+    q_lens, k_lens = BATCHES[batch]
+    q, k, v, cache_k, cache_v, slots, cu_q, cu_k = serving_case(q_lens, k_lens, *HEADS[heads],
+                                                                 head_dim, dtype)
+    sinks = torch.randn(q.shape[1], device="cuda") if features.get("sinks") else None
+    kwargs = dict(window=features.get("window"), softcap=features.get("softcap"), sinks=sinks,
+                  scale=head_dim ** -0.5)
+    poison_allocator(q.numel() * 8)
+    if paged:
+        out = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, max(q_lens), key_slots=slots,
+                               **kwargs)
+    else:
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), **kwargs)
+    torch.cuda.synchronize()
+    want = definition(q.cpu().float(), k.cpu().float(), v.cpu().float(), cu_q.cpu(), cu_k.cpu(),
+                      **{**kwargs, "sinks": None if sinks is None else sinks.cpu()})
+    assert torch.isfinite(out).all()
+    err = (out.double().cpu() - want).abs().max().item()
+    assert err <= TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "gathered"])
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_matches_definition(batch, features, paged):
+    check(batch, "gqa4", 128, torch.bfloat16, FEATURES[features], paged)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_heads_dims_dtypes(heads, head_dim, dtype):
+    if dtype == torch.float32 and head_dim == 256:
+        pytest.skip("fp32 at D=256 does not fit a tile's registers")
+    check("mixed", heads, head_dim, dtype, FEATURES["all"] if heads == "gqa4" else {}, True)
+
+
+def test_strided_query_and_preset_output():
+    """The query as transformers hands it (a transposed view) and an output whose rows past
+    the requests keep their values."""
+    q, _, _, cache_k, cache_v, slots, cu_q, cu_k = serving_case(
+        (1, 9, 1), (50, 9, 700), 32, 8, 128, torch.bfloat16)
+    q_strided = q.transpose(0, 1).contiguous().transpose(0, 1)
+    out = torch.full((q.shape[0] + 5, 32, 128), 3.0, device="cuda", dtype=torch.bfloat16)
+    q_padded = torch.cat([q_strided, torch.zeros(5, 32, 128, device="cuda",
+                                                 dtype=torch.bfloat16)])
+    varlen_attention(q_padded, cache_k, cache_v, cu_q, cu_k, 9, key_slots=slots, out=out)
+    torch.testing.assert_close(out[:11], varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 9,
+                                                          key_slots=slots))
+    assert (out[11:] == 3.0).all()
+
+
+def test_captured_in_a_cuda_graph():
+    """One capture, replayed on other requests of the same shapes: the launch reads no value
+    on the host, so the replay computes the new requests."""
+    q, _, _, cache_k, cache_v, slots, cu_q, cu_k = serving_case(
+        (1, 1, 30, 1), (100, 2000, 30, 7), 32, 8, 128, torch.bfloat16)
+    out = torch.zeros_like(q)
+    varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 30, key_slots=slots, out=out)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 30, key_slots=slots, out=out)
+    # New lengths in the same tensors: fewer keys for request 1, a longer chunk for request 0.
+    cu_q.copy_(torch.tensor([0, 25, 26, 32, 33], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, 100, 1500, 1536, 1543], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 30,
+                                                     key_slots=slots))
+
+
+def test_reference_and_kernel_agree_in_fp32():
+    """The op's CPU reference (what the CPU tests check) and the kernel: one semantics."""
+    q, _, _, cache_k, cache_v, slots, cu_q, cu_k = serving_case(
+        (1, 40, 3), (300, 40, 90), 8, 2, 64, torch.float32)
+    sinks = torch.randn(8, device="cuda")
+    kwargs = dict(window=50, softcap=10.0, sinks=sinks, key_slots=slots)
+    kernel = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 40, **kwargs)
+    reference = varlen._reference(q, cache_k, cache_v, cu_q, cu_k, 40, 0.125, 50, 10.0, sinks,
+                                  slots, torch.zeros_like(q))
+    torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=2e-5)
