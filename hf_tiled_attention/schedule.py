@@ -471,13 +471,11 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
     raise LookupError(f"no backward schedule for head dim {head_dim}")
 
 
-def varlen_tiles(max_seqlen_q: int, g_tile: int, head_dim: int) -> tuple[int, int]:
+def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's
     tile holds one position of a head group and streams long key tiles (its time is reading
-    K/V); a prefill chunk's takes the forward's 64- or 128-row tiles."""
-    rows = max_seqlen_q * g_tile
-    if rows <= 16:
+    K/V); a prefill chunk's takes the forward's 128 x 64 tiles (at D=128 and 256, 64 x 64 and
+    64 x 32 tiles reading a paged cache fail in tileiras 13.x, 128 x 64 compiles)."""
+    if max_seqlen_q * g_tile <= 16:
         return 16, 128
-    if rows <= 64 or head_dim > 128:
-        return 64, 64
     return 128, 64

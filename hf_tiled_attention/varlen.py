@@ -70,36 +70,45 @@ def group_tile(heads_q: int, heads_kv: int) -> int:
     return group if group & (group - 1) == 0 and group <= MAX_GROUP_TILE else 1
 
 
-def launch_arguments(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
-                     softcap, sinks, key_slots, out):
-    """``(grid, arrays, scalars, constants)`` of one launch (also what export_cubin compiles)."""
+def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
+             softcap, sinks, key_slots, out) -> list[tuple]:
+    """``(grid, arrays, scalars, constants)`` of the call's launches: one of decode-shaped
+    tiles for the requests with a few queries (a decode step's, one position of a head group
+    per tile), and, when ``max_seqlen_q`` allows longer ones, one of prefill-shaped tiles for
+    those. Which requests a launch serves is read on the device, so the launches depend only on
+    shapes and ``max_seqlen_q`` (transformers pads that to the batch's token count under CUDA
+    graphs, so it does not say whether a step is decode-only)."""
     from .varlen_kernel import (G_TILE, PAGED, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N,
                                 WINDOWED)
-    total_q, heads_q, head_dim = query.shape
+    heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
-    tile_m, tile_n = varlen_tiles(max_seqlen_q, g_tile, head_dim)
-    constants = [0] * 8
-    constants[TILE_M], constants[TILE_N] = tile_m, tile_n
-    constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
-    constants[PAGED] = key_slots is not None
-    constants[WINDOWED] = window is not None
-    constants[SOFTCAP] = softcap is not None
-    constants[SINKS] = sinks is not None
     heads = heads_q // g_tile
-    grid = (max(1, math.ceil(max_seqlen_q / (tile_m // g_tile))), cu_seqlens_q.shape[0] - 1,
-            heads)
     # Arrays the constants keep the kernel from reading stand in for the absent ones.
     arrays = (query.unflatten(1, (heads, g_tile)), key, value,
               key_slots if key_slots is not None else cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
               sinks.float() if sinks is not None else _no_sinks(query.device),
               out.unflatten(1, (heads, g_tile)))
     if softcap is not None:
-        scalars = (scale / softcap, softcap * LOG2E, 0)
+        scalars = (scale / softcap, softcap * LOG2E)
     else:
-        scalars = (scale * LOG2E, 0.0, 0)
-    if window is not None:
-        scalars = scalars[:2] + (int(window),)
-    return grid, arrays, scalars, tuple(constants)
+        scalars = (scale * LOG2E, 0.0)
+    scalars += (int(window) if window is not None else 0,)
+    short_rows = varlen_tiles(1, g_tile)[0] // g_tile  # a decode tile's positions
+    result = []
+    for low, high in ((0, short_rows), (short_rows, max(max_seqlen_q, short_rows))):
+        if high <= low:
+            continue
+        tile_m, tile_n = varlen_tiles(high, g_tile)
+        constants = [0] * 8
+        constants[TILE_M], constants[TILE_N] = tile_m, tile_n
+        constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
+        constants[PAGED] = key_slots is not None
+        constants[WINDOWED] = window is not None
+        constants[SOFTCAP] = softcap is not None
+        constants[SINKS] = sinks is not None
+        grid = (-(-high // (tile_m // g_tile)), cu_seqlens_q.shape[0] - 1, heads)
+        result.append((grid, arrays, scalars + (low, high), tuple(constants)))
+    return result
 
 
 @memoize(16)
@@ -113,16 +122,16 @@ def _launch(*args) -> None:
     from .launch import launch_device
     from .varlen_kernel import varlen_forward_kernel
 
-    grid, arrays, scalars, constants = launch_arguments(*args)
-    query = arrays[0]
-    with launch_device(query.device):
-        ct.launch(torch.cuda.current_stream(query.device).cuda_stream, grid,
-                  varlen_forward_kernel, arrays + scalars + (constants,))
+    device = args[0].device
+    with launch_device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for grid, arrays, scalars, constants in launches(*args):
+            ct.launch(stream, grid, varlen_forward_kernel, arrays + scalars + (constants,))
 
 
-def export_cubin(*args, arch: str) -> bytes:
-    """The cubin a launch with these arguments (meta tensors are fine) compiles for ``arch``,
-    built without a GPU by cuTile's exporter."""
+def export_cubins(*args, arch: str) -> list[bytes]:
+    """The cubins of a call's launches with these arguments (meta tensors are fine) for
+    ``arch``, built without a GPU by cuTile's exporter."""
     import io
 
     import cuda.tile as ct
@@ -132,16 +141,18 @@ def export_cubin(*args, arch: str) -> bytes:
     from .launch import array_constraint
     from .varlen_kernel import varlen_forward_kernel
 
-    _, arrays, scalars, constants = launch_arguments(*args)
-    signature = KernelSignature(
-        [array_constraint(a) for a in arrays]
-        + [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
-           ScalarConstraint(ct.int32), constants],
-        CallingConvention.cutile_python_v2())
-    buffer = io.BytesIO()
-    export_kernel(varlen_forward_kernel, [signature], buffer, gpu_code=arch,
-                  output_format="cubin")
-    return buffer.getvalue()
+    cubins = []
+    for _, arrays, _, constants in launches(*args):
+        signature = KernelSignature(
+            [array_constraint(a) for a in arrays]
+            + [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)]
+            + [ScalarConstraint(ct.int32)] * 3 + [constants],
+            CallingConvention.cutile_python_v2())
+        buffer = io.BytesIO()
+        export_kernel(varlen_forward_kernel, [signature], buffer, gpu_code=arch,
+                      output_format="cubin")
+        cubins.append(buffer.getvalue())
+    return cubins
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,9 +40,11 @@ def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
                    score_scale: float,   # scale * LOG2E, or scale / softcap with SOFTCAP
                    softcap_out: float,   # softcap * LOG2E with SOFTCAP
                    window: int,
+                   min_queries: int,     # the launch serves the requests with more queries than
+                   max_queries: int,     # this and at most that many (varlen.py: two launches)
                    C: ct.Constant):
     """Q, Out ``(Tq, heads, G_TILE, D)`` (``heads`` = Hq / G_TILE); K, V ``(Tk or slots, Hkv,
-    D)``; Slots ``(Tk,)`` int32 (read with PAGED only); CuQ, CuK ``(R + 1,)`` int32; Sinks
+    D)``; Slots ``(Tk,)`` int32/64 (read with PAGED only); CuQ, CuK ``(R + 1,)`` int32; Sinks
     ``(Hq,)`` fp32 (read with SINKS only)."""
     ROWS = C[TILE_M] // C[G_TILE]
     m_tile = ct.bid(0)
@@ -54,7 +56,7 @@ def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
     k_start = ct.load(CuK, index=(request,), shape=(1,)).item()
     k_len = ct.load(CuK, index=(request + 1,), shape=(1,)).item() - k_start
     row_lo = m_tile * ROWS
-    if row_lo < q_len:
+    if row_lo < q_len and q_len > min_queries and q_len <= max_queries:
         _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, C, ROWS,
                       m_tile, head, kv_head, q_start, q_len, k_start, k_len, row_lo)
 
@@ -132,6 +134,39 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
              tile=out.reshape((ROWS, 1, G, D)).astype(Out.dtype))
 
 
+def _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C):
+    """Key tile ``j`` of a request from the cache: one block load where its slots run on
+    consecutive rows (a cache's page holds a whole tile: what continuous batching's full-
+    attention layers give), else a gather row by row. Rows past the request's keys are zeros."""
+    N = C[TILE_N]
+    D = C[TILE_D]
+    cols = ct.arange(N, dtype=ct.int32)
+    valid = j * N + cols < k_len
+    slots = ct.load(Slots, index=(j,), shape=(N,),
+                    padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+    first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+    slots = ct.where(valid, slots, first)
+    if ct.sum(ct.where(slots == first + cols, 0, 1)) == 0:
+        stop = min(first + N, K.shape[0])
+        k = ct.load(K.slice(axis=0, start=first, stop=stop), index=(0, kv_head, 0),
+                    shape=(N, 1, D), padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        v = ct.load(V.slice(axis=0, start=first, stop=stop), index=(0, kv_head, 0),
+                    shape=(N, 1, D), padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    else:
+        # Gather from the lowest slot on: row offsets stay small for int32 address math.
+        base = ct.min(slots)
+        rows = slots - base
+        k = ct.load_advanced_indexing(K.slice(axis=0, start=base, stop=K.shape[0]),
+                                      (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
+                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        v = ct.load_advanced_indexing(V.slice(axis=0, start=base, stop=V.shape[0]),
+                                      (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
+                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    if EDGE:  # a padded row is a real cache row (another request's, or stale): 0 * NaN is NaN
+        v = ct.where(valid[:, None], v, 0.0)
+    return k, v
+
+
 def _key_tile(j, state, arrays, where, EDGE, C):
     """One online-softmax step over the request's key tile ``j``. ``EDGE``: the tile may hold
     keys some rows do not see (apply the causal/window rule); else every row sees all of it."""
@@ -141,12 +176,7 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     N = C[TILE_N]
     D = C[TILE_D]
     if C[PAGED]:
-        slots = ct.load(Slots, index=(j,), shape=(N,),
-                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
-        k = ct.load_advanced_indexing(K, (slots, ct.Slice(kv_head, 1), ct.Slice(0, D)),
-                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
-        v = ct.load_advanced_indexing(V, (slots, ct.Slice(kv_head, 1), ct.Slice(0, D)),
-                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        k, v = _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C)
     else:
         k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))

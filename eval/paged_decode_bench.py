@@ -1,0 +1,124 @@
+"""A continuous-batching decode step's attention: how fast the kernel reads a paged cache.
+
+    python eval/paged_decode_bench.py
+    python eval/paged_decode_bench.py --requests 32 256 --keys 1024 16384
+
+Each point is one decode step of ``--requests`` requests (one query each) over ``--keys`` cached
+keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16), the keys on pages of
+``--page`` slots shuffled over the cache as transformers' allocator leaves them. Modes:
+
+* ``paged``: ``varlen_attention`` reading the cache through the slot list (what "paged|tiled"
+  runs);
+* ``gathered``: the same kernel on K/V already gathered into request order (no page lookups);
+* ``gather+kernel``: ``index_select`` of K and V first, then ``gathered`` (what a step costs
+  when the cache hands attention a gathered copy, as transformers' other paged backends do).
+
+``read_tbps``: the K/V bytes a step must read over its time (back-to-back calls);
+``vs_copy``: that over the copy rate (bytes read and written by a ``copy_`` of the same size,
+measured in the same process). Results: eval/results/<gpu>/serve/paged_decode.csv. Without a
+GPU a few tiny points run through the CPU reference path (numbers say nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eval.common import ResultsWriter, results_dir  # noqa: E402
+from hf_tiled_attention import varlen_attention  # noqa: E402
+from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
+
+COLUMNS = ["requests", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode", "kv_mb", "ms",
+           "read_tbps", "copy_tbps", "vs_copy", "max_err_vs_gathered"]
+MODES = ["paged", "gathered", "gather+kernel"]
+
+
+def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim: int,
+                page: int, device: str, dtype, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages_per = -(-keys // page)
+    pages = requests * pages_per
+    order = torch.randperm(pages, generator=g, device=device)
+    within = torch.arange(keys, device=device)
+    slots = (order.view(requests, pages_per)[:, within // page] * page + within % page).flatten()
+    cache_k = torch.randn(pages * page, heads_kv, head_dim, generator=g, device=device,
+                          dtype=dtype)
+    cache_v = torch.randn(pages * page, heads_kv, head_dim, generator=g, device=device,
+                          dtype=dtype)
+    q = torch.randn(requests, heads_q, head_dim, generator=g, device=device, dtype=dtype)
+    cu_q = torch.arange(requests + 1, device=device, dtype=torch.int32)
+    cu_k = cu_q * keys
+    return q, cache_k, cache_v, slots, cu_q, cu_k
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=None)
+    parser.add_argument("--keys", type=int, nargs="+", default=None)
+    parser.add_argument("--heads", type=int, nargs=2, default=(32, 8))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if not cuda:
+        print("paged_decode_bench: no CUDA GPU here; tiny points through the CPU reference path "
+              "(numbers say nothing).")
+    requests_list = args.requests or ([32, 64, 128, 256] if cuda else [4])
+    keys_list = args.keys or ([1024, 4096, 16384] if cuda else [300])
+    out_dir = args.out or results_dir() / "serve"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = ResultsWriter(out_dir, "paged_decode", COLUMNS, sys.argv[1:] if argv is None else argv)
+    reps = args.reps if cuda else 2
+    for requests in requests_list:
+        for keys in keys_list:
+            q, cache_k, cache_v, slots, cu_q, cu_k = decode_step(
+                requests, keys, *args.heads, args.head_dim, args.page, device, dtype)
+            kv_bytes = 2 * slots.numel() * args.heads[1] * args.head_dim * q.element_size()
+            k_flat, v_flat = cache_k[slots], cache_v[slots]
+            copy_src = torch.empty(kv_bytes // 2, dtype=torch.int16, device=device)
+            copy_dst = torch.empty_like(copy_src)
+            if cuda:
+                copy_ms = back_to_back_ms(copy_dst.copy_, [(copy_src,)], reps=reps)
+            else:
+                copy_ms = median_ms(copy_dst.copy_, [(copy_src,)], cuda=False, reps=reps)
+            copy_tbps = 2 * kv_bytes / copy_ms / 1e9
+            out = torch.empty_like(q)
+            calls = {
+                "paged": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 1,
+                                                  key_slots=slots, out=out),
+                "gathered": lambda: varlen_attention(q, k_flat, v_flat, cu_q, cu_k, 1, out=out),
+                "gather+kernel": lambda: varlen_attention(
+                    q, cache_k.index_select(0, slots), cache_v.index_select(0, slots), cu_q,
+                    cu_k, 1, out=out),
+            }
+            reference = calls["gathered"]().clone()
+            for mode, call in calls.items():
+                err = (call().float() - reference.float()).abs().max().item()
+                if cuda:
+                    ms = back_to_back_ms(call, [()], reps=reps)
+                else:
+                    ms = median_ms(call, [()], cuda=False, reps=reps)
+                read = kv_bytes / ms / 1e9
+                row = dict(requests=requests, keys=keys, heads_q=args.heads[0],
+                           heads_kv=args.heads[1], head_dim=args.head_dim, page=args.page,
+                           mode=mode, kv_mb=f"{kv_bytes / 1e6:.1f}", ms=f"{ms:.4f}",
+                           read_tbps=f"{read:.3f}", copy_tbps=f"{copy_tbps:.3f}",
+                           vs_copy=f"{read / copy_tbps:.3f}", max_err_vs_gathered=f"{err:.2e}")
+                writer.add(row)
+                print(f"paged decode R={requests} keys={keys} {mode}: {ms:.4f} ms, "
+                      f"{kv_bytes / 1e6:.0f} MB, {read:.2f} TB/s ({read / copy_tbps:.2f}x copy "
+                      f"{copy_tbps:.2f}), err {err:.1e}", flush=True)
+            del q, cache_k, cache_v, slots, k_flat, v_flat, copy_src, copy_dst
+    print(f"paged_decode_bench: {writer.finish()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
