@@ -47,13 +47,22 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     call allocates it)."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
-    if out is None:
-        out = query.new_zeros(query.shape)
     from .op import kernel_available
     if query.numel() and kernel_available(query.device):
+        if out is None:  # rows to a multiple of 16 (_rows_of_16), the extra ones not returned
+            padded = query.new_zeros((query.shape[0] + 15) // 16 * 16, *query.shape[1:])
+            out = padded[:query.shape[0]]
+            written = out
+        else:
+            padded = _rows_of_16(out)  # ``out`` itself, or a copy that is copied back
+            written = padded[:out.shape[0]]
         _launch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
-                softcap, sinks, key_slots, out)
+                softcap, sinks, key_slots, padded)
+        if written.data_ptr() != out.data_ptr():
+            out.copy_(written)
     else:
+        if out is None:
+            out = query.new_zeros(query.shape)
         out.copy_(_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                              window, softcap, sinks, key_slots, out))
     return out
@@ -83,9 +92,13 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
+    requests = cu_seqlens_q.shape[0] - 1
+    if key_slots is None:  # packed keys: their count varies like the queries'
+        key, value = _rows_of_16(key), _rows_of_16(value)
     # Arrays the constants keep the kernel from reading stand in for the absent ones.
-    arrays = (query.unflatten(1, (heads, g_tile)), key, value,
-              key_slots if key_slots is not None else cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
+    arrays = (_rows_of_16(query).unflatten(1, (heads, g_tile)), key, value,
+              _rows_of_16(key_slots if key_slots is not None else cu_seqlens_k),
+              _rows_of_16(cu_seqlens_q), _rows_of_16(cu_seqlens_k),
               sinks.float() if sinks is not None else _no_sinks(query.device),
               out.unflatten(1, (heads, g_tile)))
     if softcap is not None:
@@ -106,9 +119,22 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         constants[WINDOWED] = window is not None
         constants[SOFTCAP] = softcap is not None
         constants[SINKS] = sinks is not None
-        grid = (-(-high // (tile_m // g_tile)), cu_seqlens_q.shape[0] - 1, heads)
+        grid = (-(-high // (tile_m // g_tile)), requests, heads)
         result.append((grid, arrays, scalars + (low, high), tuple(constants)))
     return result
+
+
+def _rows_of_16(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its first dim a multiple of 16 (a copy with rows appended, never read,
+    where it is not). cuTile compiles a kernel per divisibility of each extent (by 16 or not);
+    a serving step's token and request counts change at every step, and three extents free
+    to vary would compile eight variants of each launch in the middle of serving."""
+    rows = tensor.shape[0]
+    if rows % 16 == 0:
+        return tensor
+    padded = tensor.new_empty((rows + 15) // 16 * 16, *tensor.shape[1:])
+    padded[:rows].copy_(tensor)
+    return padded
 
 
 @memoize(16)

@@ -18,6 +18,7 @@ fastest; ``G_TILE`` 1: one query head), so each key tile is read once for the wh
 """
 
 import math
+from typing import Annotated
 
 import cuda.tile as ct
 
@@ -36,7 +37,11 @@ SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
 SINKS = 7      # a learned sink logit per query head joins each row's softmax
 
 
-def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
+# A paged cache may hold more than 2**31 elements: its addresses take 64-bit arithmetic.
+CacheArray = Annotated[ct.Array, ct.ArrayAnnotation(index_dtype=ct.int64)]
+
+
+def varlen_forward(Q, K: CacheArray, V: CacheArray, Slots, CuQ, CuK, Sinks, Out,
                    score_scale: float,   # scale * LOG2E, or scale / softcap with SOFTCAP
                    softcap_out: float,   # softcap * LOG2E with SOFTCAP
                    window: int,
