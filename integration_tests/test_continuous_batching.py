@@ -32,15 +32,21 @@ def _runs(names: list[str], max_batch_tokens: int | None = None) -> list[dict]:
     if serving.serves_custom_attention():
         from continuous_batching_runs import run
         return [run(name, max_batch_tokens=max_batch_tokens) for name in names]
+    args = []
+    if max_batch_tokens is not None:
+        args.append(f"--max-batch-tokens={max_batch_tokens}")
+    return _in_old_transformers(args + names)
+
+
+def _in_old_transformers(args: list[str]) -> list[dict]:
+    """continuous_batching_runs.py's JSON lines, run on transformers 5.17."""
     if not (OLD_TRANSFORMERS / "transformers").is_dir():
         pytest.fail(f"no transformers 5.17 at {OLD_TRANSFORMERS} (bash .ci/install.sh puts it "
                     f"there) and the installed one has no continuous-batching route")
-    args = [sys.executable, str(REPO / "integration_tests" / "continuous_batching_runs.py")]
-    if max_batch_tokens is not None:
-        args.append(f"--max-batch-tokens={max_batch_tokens}")
+    command = [sys.executable, str(REPO / "integration_tests" / "continuous_batching_runs.py")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(OLD_TRANSFORMERS), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(args + names, cwd=REPO, env=env, capture_output=True, text=True,
+    done = subprocess.run(command + args, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -74,6 +80,20 @@ def test_unserved_features_are_refused():
     with pytest.raises(ValueError, match=r"chunked attention \(Llama 4\).*attention_chunk_size"):
         serving.check_served_features(make_config("llama4"))
     serving.check_served_features(make_config("gemma2"))  # softcap and windows are served
+
+
+def test_unserved_model_fails_before_its_first_token():
+    """The requests of a model the route cannot serve fail at the first forward (transformers'
+    warm-up, before any request runs) with the error naming the feature and the alternative."""
+    if serving.serves_custom_attention():
+        from continuous_batching_runs import refusal
+        result = refusal("llama")
+    else:
+        [result] = _in_old_transformers(["--refusal", "llama"])
+    assert result["tokens"] == [[], []]
+    for error in result["errors"]:
+        assert "bidirectional attention (config.use_bidirectional_attention)" in error
+        assert "attn_implementation='sdpa'" in error
 
 
 def test_paged_name_needs_the_cache():
