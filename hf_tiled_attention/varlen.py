@@ -146,13 +146,18 @@ def _launch(*args) -> None:
     import cuda.tile as ct
 
     from .launch import launch_device
-    from .varlen_kernel import varlen_forward_kernel
 
     device = args[0].device
     with launch_device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         for grid, arrays, scalars, constants in launches(*args):
-            ct.launch(stream, grid, varlen_forward_kernel, arrays + scalars + (constants,))
+            ct.launch(stream, grid, _kernel(constants), arrays + scalars + (constants,))
+
+
+def _kernel(constants: tuple):
+    """The kernel entry of a launch: the cache's (64-bit addresses) or the packed keys'."""
+    from .varlen_kernel import PAGED, varlen_forward_kernel, varlen_forward_paged_kernel
+    return varlen_forward_paged_kernel if constants[PAGED] else varlen_forward_kernel
 
 
 def export_cubins(*args, arch: str) -> list[bytes]:
@@ -165,7 +170,6 @@ def export_cubins(*args, arch: str) -> list[bytes]:
                                        export_kernel)
 
     from .launch import array_constraint
-    from .varlen_kernel import varlen_forward_kernel
 
     cubins = []
     for _, arrays, _, constants in launches(*args):
@@ -175,7 +179,7 @@ def export_cubins(*args, arch: str) -> list[bytes]:
             + [ScalarConstraint(ct.int32)] * 3 + [constants],
             CallingConvention.cutile_python_v2())
         buffer = io.BytesIO()
-        export_kernel(varlen_forward_kernel, [signature], buffer, gpu_code=arch,
+        export_kernel(_kernel(constants), [signature], buffer, gpu_code=arch,
                       output_format="cubin")
         cubins.append(buffer.getvalue())
     return cubins
