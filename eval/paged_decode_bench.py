@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     keys_list = args.keys or ([1024, 4096, 16384] if cuda else [300])
     out_dir = args.out or results_dir() / "serve"
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "paged_decode", COLUMNS, sys.argv[1:] if argv is None else argv)
+    writer = ResultsWriter(out_dir, "paged_decode", COLUMNS, sys.argv if argv is None else argv)
     reps = args.reps if cuda else 2
     for requests in requests_list:
         for keys in keys_list:

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         budget = args.max_batch_tokens or 256
     out_dir = args.out or results_dir() / "serve"
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "serve", COLUMNS, argv)
+    writer = ResultsWriter(out_dir, "serve", COLUMNS, [sys.argv[0], *argv])
     sources = [(shape, build_config(shape, layers)) for shape in shapes]
     if args.gguf is not None:
         sources.append((args.gguf.name, args.gguf))
