@@ -798,3 +798,36 @@ def test_fp8_mma_probe_compiles_fp8_warpgroup_mmas(capsys):
     for layout in ("N-major", "K-major"):
         assert "QGMMA" in lines[f"e4m3 B {layout}"] and "F32.E4M3.E4M3" in lines[f"e4m3 B {layout}"]
         assert "HGMMA" in lines[f"bf16 B {layout}"] and "F32.BF16" in lines[f"bf16 B {layout}"]
+
+
+def test_serve_throughput_cpu(tmp_path):
+    """Continuous batching end to end (on the transformers 5.17 beside the installed one when
+    that has no route), every backend ok, and tiled's greedy tokens equal sdpa's in fp32."""
+    from eval import serve_throughput
+    assert serve_throughput.main(["--concurrency", "3", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "serve.csv")
+    assert list(rows[0]) == serve_throughput.COLUMNS
+    by_backend = {r["backend"]: r for r in rows}
+    assert set(by_backend) == {"tiled", "sdpa", "eager"}
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert by_backend["tiled"]["attention"] == "paged|tiled"
+    assert float(by_backend["tiled"]["same_as_sdpa"]) == 1.0
+    assert (tmp_path / "serve.png").exists()
+
+
+def test_serve_workload_and_agreement():
+    from eval.serve_throughput import same_share, workload
+    requests = workload(5, (3, 9), (2, 4), vocab=50, seed=1)
+    assert requests == workload(5, (3, 9), (2, 4), vocab=50, seed=1)
+    assert all(3 <= len(p) <= 9 and 2 <= n <= 4 and all(3 <= t < 50 for t in p)
+               for p, n in requests)
+    assert same_share([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
+
+
+def test_paged_decode_bench_cpu(tmp_path):
+    from eval import paged_decode_bench
+    assert paged_decode_bench.main(["--requests", "2", "--keys", "40", "--page", "16",
+                                    "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "paged_decode.csv")
+    assert [r["mode"] for r in rows] == paged_decode_bench.MODES
+    assert all(float(r["max_err_vs_gathered"]) == 0 for r in rows)
