@@ -16,7 +16,7 @@ from .sharded_attention import SequenceShards, sharded_attention
 
 if _importlib_util.find_spec("transformers") is not None:
     # Registers attn_implementation="tiled" (attention + mask function) on import.
-    from .serving import check_serving
+    from .serving import check_serving, flash_kernel
     from .transformers_backend import register
 
     try:
@@ -36,5 +36,5 @@ __all__ = ["Schedule", "SequenceLayout", "SequenceShards", "ShardedBatch", "cach
            "kernel_available", "register", "set_deterministic", "shard_batch",
            "sharded_attention", "tiled_attention", "use_schedule", "varlen_attention"]
 if _importlib_util.find_spec("transformers") is not None:
-    __all__.append("check_serving")
+    __all__ += ["check_serving", "flash_kernel"]
 __version__ = "0.1.0"

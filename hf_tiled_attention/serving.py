@@ -11,18 +11,30 @@ slots to write and read; it writes the new tokens into the cache and runs
 layers) or the window of it that the cache gathers (sliding layers, whose ring buffer the new
 tokens may overwrite).
 
-transformers 5.19 and later (read in 5.19-5.25) admit only ``"paged|eager"``, ``"sdpa"`` and names containing
-"flash" that load as FlashAttention or a Hub kernel, and give any other name no route:
-:func:`check_serving` says so (transformers' own error names neither the version nor us).
+transformers 5.19 and later (read in 5.19-5.25) admit only ``"paged|eager"``, ``"sdpa"`` and
+names containing "flash" that load as FlashAttention or as a Hub kernel (the ``kernels``
+package). The tiled kernels take that last door: :func:`flash_kernel` points ``kernels`` at
+hub_kernel/ (``LOCAL_KERNELS``) and returns its name, ``"hf-tiled-attention/flash-tiled"``,
+which a model loads as its ``attn_implementation``; transformers then calls FlashAttention's
+functions on it (flash_interface.py), the cache gathered for each call (that path has no
+paged read; it needs names of FlashAttention 2 or 3 for its block table). A model class that
+lists its own FlashAttention kernels (``_compatible_flash_implementations``: gpt-oss) is given
+the first of those instead of any other flash name, so it has no such route.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 PAGED_PREFIX = "paged|"
+# The Hub-kernel name of the tiled kernels ("flash" in it: transformers' continuous batching
+# admits such names), and the folder the `kernels` package loads for it.
+FLASH_KERNEL = "hf-tiled-attention/flash-tiled"
+FLASH_KERNEL_DIR = Path(__file__).resolve().parent / "hub_kernel"
 # The first transformers release whose continuous batching no longer looks up "paged|<name>".
 FIRST_WITHOUT_PAGED_NAMES = (5, 19)
 
@@ -36,6 +48,23 @@ def transformers_version() -> tuple[int, int]:
 def serves_custom_attention() -> bool:
     """Whether the installed transformers' continuous batching looks up "paged|<name>"."""
     return transformers_version() < FIRST_WITHOUT_PAGED_NAMES
+
+
+def flash_kernel() -> str:
+    """``attn_implementation`` of the tiled kernels as a Hub kernel (transformers 5.19 and later
+    serve continuous batching through it): adds ``FLASH_KERNEL=<hub_kernel/>`` to the
+    ``LOCAL_KERNELS`` environment variable the ``kernels`` package reads, and returns the name.
+    A process that does not import this package (``transformers serve``) gets the same from
+    ``LOCAL_KERNELS="$(python -m hf_tiled_attention.serving)"``."""
+    import importlib.util
+    if importlib.util.find_spec("kernels") is None:
+        raise ImportError("the tiled kernels load into transformers' FlashAttention route "
+                          "through the `kernels` package: pip install kernels")
+    entry = f"{FLASH_KERNEL}={FLASH_KERNEL_DIR}"
+    entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e]
+    if entry not in entries:
+        os.environ["LOCAL_KERNELS"] = ":".join(entries + [entry])
+    return FLASH_KERNEL
 
 
 def register_paged(name: str) -> Optional[str]:
@@ -55,14 +84,25 @@ def check_serving(model) -> None:
     transformers without the route, or a model whose attention needs what the packed-requests
     kernel does not compute. Call it before serving; :func:`paged_tiled_attention` calls it on
     its first layer too."""
-    if not serves_custom_attention():
+    config = model.config if hasattr(model, "config") else model
+    own_kernels = getattr(model, "_compatible_flash_implementations", None)
+    if not serves_custom_attention() and own_kernels and FLASH_KERNEL not in own_kernels:
+        import transformers
+        raise RuntimeError(
+            f"transformers {transformers.__version__} serves continuous batching only through "
+            f"FlashAttention names, and gives {type(model).__name__} its own kernels "
+            f"({own_kernels}) for any such name, so the tiled kernels cannot serve it here; "
+            f"transformers 5.17 and 5.18 can (attn_implementation='tiled').")
+    if not serves_custom_attention() and \
+            getattr(config, "_attn_implementation", None) != FLASH_KERNEL:
         import transformers
         raise RuntimeError(
             f"transformers {transformers.__version__}'s continuous batching (generate_batch, "
             f"ContinuousBatchingManager, transformers serve) admits only 'paged|eager', 'sdpa' "
-            f"and FlashAttention names, so it cannot run attn_implementation='tiled'. "
-            f"transformers 5.17 and 5.18 serve 'tiled' (pip install 'transformers>=5.17,<5.19'); "
-            f"on this version serve with attn_implementation='sdpa' or a flash implementation.")
+            f"and FlashAttention names, so it cannot run attn_implementation='tiled'. Load the "
+            f"model with attn_implementation=hf_tiled_attention.flash_kernel() (the tiled "
+            f"kernels as a Hub kernel, {FLASH_KERNEL!r}; needs `pip install kernels`), or use "
+            f"transformers 5.17 or 5.18, which serve 'tiled' itself.")
     check_served_features(model)
 
 
@@ -142,3 +182,7 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                            softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"),
                            key_slots=slots)
     return out.unsqueeze(0), None
+
+
+if __name__ == "__main__":  # LOCAL_KERNELS for a process that does not import the package
+    print(f"{FLASH_KERNEL}={FLASH_KERNEL_DIR}")

@@ -47,6 +47,11 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     call allocates it)."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (query, key, value, sinks)):
+        raise ValueError("varlen_attention has no backward (it serves inference); for training "
+                         "on packed rows use attn_implementation='tiled' (cu_seq_lens_q/k or "
+                         "restarting position_ids) or hf_tiled_attention.tiled_attention")
     from .op import kernel_available
     if query.numel() and kernel_available(query.device):
         if out is None:  # rows to a multiple of 16 (_rows_of_16), the extra ones not returned

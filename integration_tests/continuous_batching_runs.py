@@ -38,7 +38,8 @@ def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[l
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
     # A small token budget splits prompts into chunks (prefill after a cached part).
-    batching = ContinuousBatchingConfig(block_size=16, num_blocks=64,
+    page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
+    batching = ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
                                         max_batch_tokens=max_batch_tokens or 256)
     results = model.to(device).generate_batch(requests, generation_config=config,
                                                continuous_batching_config=batching)
@@ -59,10 +60,11 @@ def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
     return tokens
 
 
-def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None) -> dict:
-    """Greedy tokens of eager ``generate()`` and of "tiled" continuous batching for ``name``'s
-    tiny model, the kernel's call count, and how many of those calls read the paged cache in
-    place."""
+def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
+        implementation: str = "tiled") -> dict:
+    """Greedy tokens of eager and of ``implementation`` ("tiled", or the tiled kernels' Hub-
+    kernel name) under continuous batching for ``name``'s tiny model, the kernel's call count,
+    and how many of those calls read the paged cache in place."""
     requests = prompts()
     eager_model = build(name, "eager").to(dtype)
     if getattr(eager_model.config, "attn_logit_softcapping", None):
@@ -78,7 +80,8 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None) -> 
         return real(*args, **kwargs)
 
     with mock.patch.object(varlen, "varlen_attention", counted):
-        tiled = greedy_batch(build(name, "tiled").to(dtype), requests, max_batch_tokens, device)
+        tiled = greedy_batch(build(name, implementation).to(dtype), requests, max_batch_tokens,
+                             device)
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
 

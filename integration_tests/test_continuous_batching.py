@@ -67,13 +67,45 @@ def test_generate_batch_matches_eager(max_batch_tokens):
         assert (r["paged"] == 0) == sliding_only, r
 
 
+@pytest.mark.parametrize("max_batch_tokens", [None, 24], ids=["one-batch", "chunked-prefill"])
+def test_hub_kernel_route_matches_eager(max_batch_tokens):
+    """The route of transformers 5.19+: the tiled kernels loaded as a Hub kernel (the `kernels`
+    package reading hub_kernel/) under a FlashAttention name; the cache is gathered for it."""
+    if serving.serves_custom_attention():
+        pytest.skip("transformers 5.17-5.18 serve 'tiled' itself (test above); their Hub-kernel "
+                    "route is not this one")
+    pytest.importorskip("kernels")
+    from continuous_batching_runs import run
+    name = hta.flash_kernel()
+    # (gpt-oss names its own FlashAttention kernels, `_compatible_flash_implementations`, and
+    # transformers loads the first of them instead of any other flash name)
+    for model in (["llama", "gemma2", "qwen2", "mistral"] if max_batch_tokens is None
+                  else ["llama", "qwen2"]):
+        r = run(model, max_batch_tokens=max_batch_tokens, implementation=name)
+        assert r["tiled"] == r["eager"], model
+        assert r["calls"] >= 20 and r["calls"] % 2 == 0 and r["paged"] == 0, r
+
+
+def test_hub_kernel_route_in_generate():
+    """The same name in an ordinary generate(): eager's tokens (batched FlashAttention calls)."""
+    if serving.serves_custom_attention():
+        pytest.skip("transformers 5.17-5.18: tested through 'paged|tiled'")
+    pytest.importorskip("kernels")
+    from continuous_batching_runs import greedy_one_by_one, prompts
+    requests = prompts()[:3]
+    assert greedy_one_by_one(build("gemma2", hta.flash_kernel()), requests) == \
+        greedy_one_by_one(build("gemma2", "eager"), requests)
+
+
 def test_newer_transformers_get_a_clear_error():
     model = build("llama", "tiled")
     if serving.serves_custom_attention():
         hta.check_serving(model)  # no error where the route exists
         return
-    with pytest.raises(RuntimeError, match=r"transformers 5\.17 and 5\.18 serve 'tiled'"):
+    with pytest.raises(RuntimeError, match=r"attn_implementation=hf_tiled_attention\.flash_kernel"
+                                           r"\(\).*transformers 5\.17 or 5\.18"):
         hta.check_serving(model)
+    hta.check_serving(build("llama", hta.flash_kernel()))  # the Hub-kernel route passes
 
 
 def test_unserved_features_are_refused():
@@ -118,3 +150,10 @@ def test_generate_batch_on_the_kernel(name):
         r = run(name, device="cuda", max_batch_tokens=budget)
         assert r["tiled"] == r["eager"], (name, budget)
         assert r["calls"] >= 20 and r["paged"] > 0, r
+
+
+def test_model_with_its_own_flash_kernels_is_refused_on_newer_transformers():
+    if serving.serves_custom_attention():
+        pytest.skip("transformers 5.17-5.18 serve gpt-oss through 'paged|tiled' (test above)")
+    with pytest.raises(RuntimeError, match=r"gives GptOssForCausalLM its own kernels"):
+        hta.check_serving(build("gpt_oss", "tiled"))

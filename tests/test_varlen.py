@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import hf_tiled_attention as hta
 from hf_tiled_attention import varlen, varlen_attention
 
 
@@ -171,3 +172,57 @@ def test_kernel_compiles(variant, arch):
     # decode-shaped tiles, and prefill-shaped ones where max_seqlen_q allows longer requests
     assert len(cubins) == (1 if VARIANTS[variant].get("max_q", 1) == 1 else 2)
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention's interface (flash_interface.py, the Hub-kernel route)
+# ---------------------------------------------------------------------------------------------
+
+def test_flash_varlen_interface_matches_the_definition():
+    from hf_tiled_attention.flash_interface import flash_attn_varlen_func
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
+    sinks = torch.randn(4)
+    # transformers passes (window - 1, window - 1) for a window of `window` keys
+    out = flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k.long(), torch.tensor(7), 40,
+                                 softmax_scale=0.3, causal=True, window_size=(3, 3),
+                                 softcap=5.0, s_aux=sinks)
+    expected = definition(q, k, v, cu_q, cu_k, 0.3, window=4, softcap=5.0, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_batched_interface_matches_tiled_attention():
+    from hf_tiled_attention.flash_interface import flash_attn_func
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 5, 4, 16, generator=g)
+    k, v = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(2))
+    out = flash_attn_func(q, k, v, softmax_scale=0.2, causal=True, window_size=(2, 0))
+    want = hta.tiled_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               is_causal=True, scale=0.2, window=3).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dropout_p=0.1), r"no attention dropout \(dropout_p=0.1\)"),
+    (dict(causal=False), r"causal only"),
+    (dict(causal=False, window_size=(3, 1)), r"causal only"),
+])
+def test_flash_interface_refuses_what_it_does_not_compute(kwargs, message):
+    from hf_tiled_attention.flash_interface import flash_attn_varlen_func
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 40, **{"causal": True, **kwargs})
+
+
+def test_flash_batched_window_must_be_one_width_without_causal():
+    from hf_tiled_attention.flash_interface import flash_attn_func
+    q = torch.randn(1, 3, 2, 16)
+    with pytest.raises(ValueError, match=r"window_size=\(3, 1\)"):
+        flash_attn_func(q, q, q, window_size=(3, 1))
+
+
+def test_no_backward_is_an_error():
+    q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
+    with pytest.raises(ValueError, match="varlen_attention has no backward"):
+        varlen_attention(q.requires_grad_(), k, v, cu_q, cu_k, 7)
+    with torch.no_grad():
+        varlen_attention(q, k, v, cu_q, cu_k, 7)

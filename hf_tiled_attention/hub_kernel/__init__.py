@@ -1,0 +1,7 @@
+"""The tiled kernels as a transformers Hub kernel: the `kernels` package loads this folder (its
+``metadata.json`` names it) when ``LOCAL_KERNELS`` maps ``hf-tiled-attention/flash-tiled`` here
+(serving.flash_kernel), and transformers calls FlashAttention's two functions on it."""
+
+from hf_tiled_attention.flash_interface import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
