@@ -55,7 +55,7 @@ def flash_kernel() -> str:
     serve continuous batching through it): adds ``FLASH_KERNEL=<hub_kernel/>`` to the
     ``LOCAL_KERNELS`` environment variable the ``kernels`` package reads, and returns the name.
     A process that does not import this package (``transformers serve``) gets the same from
-    ``LOCAL_KERNELS="$(python -m hf_tiled_attention.serving)"``."""
+    ``LOCAL_KERNELS="$(python -m hf_tiled_attention.hub_kernel)"``."""
     import importlib.util
     if importlib.util.find_spec("kernels") is None:
         raise ImportError("the tiled kernels load into transformers' FlashAttention route "
@@ -182,7 +182,3 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                            softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"),
                            key_slots=slots)
     return out.unsqueeze(0), None
-
-
-if __name__ == "__main__":  # LOCAL_KERNELS for a process that does not import the package
-    print(f"{FLASH_KERNEL}={FLASH_KERNEL_DIR}")
