@@ -41,6 +41,7 @@ python eval/backward_bench.py || failed+=(backward_bench)
 python eval/train_throughput.py || failed+=(train_throughput)
 python eval/finetune_parity.py --text-file "$texts/alice29.txt" || failed+=(finetune_parity)
 python eval/context_parallel_balance.py || failed+=(context_parallel_balance)
+python eval/fp8_numerics.py || failed+=(fp8_numerics)
 # Context parallelism over the host's GPUs; without two, a smoke run on 2 CPU processes (gloo).
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
