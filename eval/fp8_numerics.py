@@ -145,39 +145,38 @@ def scheme_attention(scheme: str, block: int, seed: int):
 @torch.inference_mode()
 def perplexity_rows(text_files: list[Path], schemes: list[str], window: int, max_tokens: int,
                     block: int, seed: int, model_path=None, gguf_file=None):
-    """Perplexity of each scheme as the model's attention, per text."""
+    """Perplexity of each scheme as the model's attention, per text (the perplexity eval's
+    window loop, one model copy per scheme: a model reads its attention from its config)."""
+    import copy
+
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
+    from eval.perplexity import evaluate, find_default_model
+
     if model_path is None:
-        from eval.perplexity import find_default_model
         model_path, gguf_file = find_default_model()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation="eager", **kwargs).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                attn_implementation="eager", **kwargs).eval()
+    models = {}
+    for scheme in ["fp32"] + schemes:
+        name = f"fp8-numerics-{scheme}"
+        AttentionInterface.register(name, scheme_attention(scheme, block, seed))
+        models[scheme] = copy.deepcopy(base)
+        models[scheme].set_attn_implementation(name)
     rows = []
     for path in text_files:
         ids = tokenizer(Path(path).read_text(encoding="utf-8", errors="replace"),
-                        return_tensors="pt").input_ids[:, :max_tokens]
-        windows = ids.shape[1] // window
-        ppl = {}
-        for scheme in ["fp32"] + schemes:
-            name = f"fp8-numerics-{scheme}"
-            AttentionInterface.register(name, scheme_attention(scheme, block, seed))
-            model.set_attn_implementation(name)
-            nll, count = 0.0, 0
-            for w in range(windows):
-                chunk = ids[:, w * window:(w + 1) * window]
-                loss = model(chunk, labels=chunk).loss
-                nll += loss.item() * (chunk.shape[1] - 1)
-                count += chunk.shape[1] - 1
-            ppl[scheme] = math.exp(nll / count)
+                        return_tensors="pt").input_ids[0, :max_tokens]
+        ppl = {scheme: result["ppl"] for scheme, result in
+               evaluate(models, ids, window, "cpu").items()}
+        for scheme, value in ppl.items():
             rows.append(dict(model=Path(gguf_file or model_path).name, text=Path(path).stem,
-                             window=window, tokens=windows * window, scheme=scheme,
-                             ppl=f"{ppl[scheme]:.4f}",
-                             ppl_rel_diff=f"{ppl[scheme] / ppl['fp32'] - 1:.3e}"))
-            print(f"fp8 perplexity {Path(path).stem} {scheme:16s} {ppl[scheme]:.4f} "
-                  f"({ppl[scheme] / ppl['fp32'] - 1:+.2e})", flush=True)
+                             window=window, tokens=ids.numel() // window * window, scheme=scheme,
+                             ppl=f"{value:.4f}", ppl_rel_diff=f"{value / ppl['fp32'] - 1:.3e}"))
+            print(f"fp8 perplexity {Path(path).stem} {scheme:16s} {value:.4f} "
+                  f"({value / ppl['fp32'] - 1:+.2e})", flush=True)
     return rows
 
 
