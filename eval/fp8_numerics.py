@@ -18,9 +18,9 @@ same (unrounded) inputs:
   channels over all of them (FlashAttention-3's incoherent processing);
 * ``fp8-token+rot``: Q and K with one scale per token (a kernel multiplies the score tile by
   the outer product of the two scale vectors), V per block, after the rotation;
-* ``fp8-qk-block+rot`` / ``fp8-qk-token+rot``: only Q K^T in FP8 (as fp8-block+rot), V and P in bf16 (P @ V in bf16);
-  ``fp8-pv-block``: only P @ V in FP8 (as fp8-block), Q and K in bf16: where the error comes
-  from.
+* ``fp8-qk-block+rot`` / ``fp8-qk-token+rot``: only Q K^T in FP8 (as fp8-block+rot /
+  fp8-token+rot), V and P in bf16; ``fp8-pv-block``: only P @ V in FP8 (as fp8-block), Q and
+  K in bf16: where the error comes from.
 
 Inputs: Gaussian Q, K, V (``gaussian``), and the same with ``--outliers`` channels of Q and K
 multiplied by each ``--outlier-scale`` (``outliers-xN``), as LLM activations have a few
@@ -101,16 +101,16 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name.endswith("+rot"):
         q, k = q @ rotation, k @ rotation
     rows = block if "block" in name else 1 if "token" in name else None
-    q8, k8 = (e4m3(t, amax_scale(t, rows)) for t in (q, k))
-    v8 = e4m3(v, amax_scale(v, block if rows == 1 else rows))
     p_scale = torch.tensor(1.0 / E4M3_MAX)
-    if name.startswith("fp8-qk"):
-        return attention(q8, k8, v.bfloat16().float(), scale,
+    if name.startswith("fp8-pv"):  # Q K^T in bf16
+        q, k = q.bfloat16().float(), k.bfloat16().float()
+    else:
+        q, k = (e4m3(t, amax_scale(t, rows)) for t in (q, k))
+    if name.startswith("fp8-qk"):  # P @ V in bf16
+        return attention(q, k, v.bfloat16().float(), scale,
                          round_p=lambda p: p.bfloat16().float())
-    if name.startswith("fp8-pv"):
-        return attention(q.bfloat16().float(), k.bfloat16().float(), v8, scale,
-                         round_p=lambda p: e4m3(p, p_scale))
-    return attention(q8, k8, v8, scale, round_p=lambda p: e4m3(p, p_scale))
+    v8 = e4m3(v, amax_scale(v, block if rows == 1 else rows))  # V per block at least
+    return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale))
 
 
 PPL_COLUMNS = ["model", "text", "window", "tokens", "scheme", "ppl", "ppl_rel_diff"]
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = ResultsWriter(out_dir, "fp8_numerics", COLUMNS, sys.argv if argv is None else argv)
     generator = torch.Generator().manual_seed(args.seed)
-    rotation = hadamard(args.head_dim, generator).double()
+    rotation = hadamard(args.head_dim, generator)
     scale = 1.0 / math.sqrt(args.head_dim)
     for factor in [0.0] + list(args.outlier_scale):
         label = "gaussian" if not factor else f"outliers-x{factor:g}"
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         exact = attention(q, k, v, run_scale)
         for name in SCHEMES:
             out = scheme_output(name, q.float(), k.float(), v.float(), run_scale, args.block,
-                                rotation.float())
+                                rotation)
             err = out.double() - exact
             rms = err.pow(2).mean().sqrt().item()
             row = dict(inputs=label, scheme=name, seq=args.seq, heads=args.heads,
