@@ -139,9 +139,9 @@ def _meta(*shape, dtype=torch.bfloat16):
 
 
 def _launch_args(dtype=torch.bfloat16, heads=(32, 8), head_dim=128, max_q=1, paged=True,
-                 window=None, softcap=None, sinks=False):
+                 window=None, softcap=None, sinks=False, cache_rows=4096):
     q = _meta(64, heads[0], head_dim, dtype=dtype)
-    k = _meta(4096, heads[1], head_dim, dtype=dtype)
+    k = _meta(cache_rows, heads[1], head_dim, dtype=dtype)
     cu = _meta(9, dtype=torch.int32)
     return (q, k, k, cu, cu, max_q, 0.1, window, softcap,
             _meta(heads[0], dtype=torch.float32) if sinks else None,
@@ -156,6 +156,9 @@ VARIANTS = {  # decode from the cache; a prefill chunk (gathered keys) with ever
     "group7-d80-paged-prefill": dict(heads=(28, 4), head_dim=80, max_q=64),
     "fp16-d64": dict(dtype=torch.float16, head_dim=64, heads=(16, 16)),
     "fp32-d256": dict(dtype=torch.float32, head_dim=256, max_q=40, paged=False),
+    # 2**31 elements and more: the entry with 64-bit addresses, paged and packed
+    "wide-paged": dict(cache_rows=2 ** 21 + 16, max_q=64),
+    "wide-packed": dict(cache_rows=2 ** 21 + 16, paged=False),
 }
 
 
@@ -172,6 +175,15 @@ def test_kernel_compiles(variant, arch):
     # decode-shaped tiles, and prefill-shaped ones where max_seqlen_q allows longer requests
     assert len(cubins) == (1 if VARIANTS[variant].get("max_q", 1) == 1 else 2)
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+
+
+def test_arrays_of_2_31_elements_take_the_64_bit_entry():
+    from hf_tiled_attention.varlen_kernel import varlen_forward_kernel, varlen_forward_wide_kernel
+    for rows, kernel in ((2 ** 21 - 16, varlen_forward_kernel),
+                         (2 ** 21, varlen_forward_wide_kernel)):
+        for paged in (True, False):
+            launches = varlen.launches(*_launch_args(cache_rows=rows, paged=paged))
+            assert varlen._kernel(launches[0][1]) is kernel
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,24 +15,29 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PAGE = 16  # slots per cache page in these tests (transformers' default is 256)
+PAGE = 16  # slots per cache page in most of these tests: tiles read row by row (a cache of
+# pages holding whole key tiles, as transformers' default of 256 slots, is read in blocks)
 
 
-def serving_case(q_lens, k_lens, heads_q, heads_kv, head_dim, dtype, seed=0):
+def serving_case(q_lens, k_lens, heads_q, heads_kv, head_dim, dtype, seed=0, page=PAGE,
+                 shifted=()):
     """Packed requests and a paged cache holding their keys: each request's keys on its own
-    pages, the pages shuffled over the cache, the cache's other slots NaN."""
+    pages, the pages shuffled over the cache, the cache's other slots NaN. Requests in
+    ``shifted`` sit one slot past their pages' starts (their tiles straddle blocks)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(q_lens), heads_q, head_dim, generator=g)
     k, v = (torch.randn(sum(k_lens), heads_kv, head_dim, generator=g) for _ in range(2))
-    pages = sum(-(-n // PAGE) for n in k_lens) + 3
+    pages = sum(-(-(n + 1) // page) for n in k_lens) + 3
     order = torch.randperm(pages, generator=g)
     slots, used = [], 0
-    for n in k_lens:
-        for i in range(n):
-            slots.append(int(order[used + i // PAGE]) * PAGE + i % PAGE)
-        used += -(-n // PAGE)
+    for r, n in enumerate(k_lens):
+        start = 1 if r in shifted else 0
+        span = -(-(n + start) // page)
+        within = torch.arange(start, start + n)
+        slots += (order[used:used + span][within // page] * page + within % page).tolist()
+        used += span
     slots = torch.tensor(slots, dtype=torch.int64)
-    cache_k = torch.full((pages * PAGE, heads_kv, head_dim), float("nan"))
+    cache_k = torch.full((pages * page, heads_kv, head_dim), float("nan"))
     cache_v = cache_k.clone()
     cache_k[slots], cache_v[slots] = k, v
     cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
@@ -57,10 +62,10 @@ FEATURES = {
 HEADS = {"gqa4": (32, 8), "mha": (8, 8), "gqa7": (28, 4), "gqa16": (16, 1)}
 
 
-def check(batch, heads, head_dim, dtype, features, paged):
+def check(batch, heads, head_dim, dtype, features, paged, **layout):
     q_lens, k_lens = BATCHES[batch]
     q, k, v, cache_k, cache_v, slots, cu_q, cu_k = serving_case(q_lens, k_lens, *HEADS[heads],
-                                                                 head_dim, dtype)
+                                                                 head_dim, dtype, **layout)
     sinks = torch.randn(q.shape[1], device="cuda") if features.get("sinks") else None
     kwargs = dict(window=features.get("window"), softcap=features.get("softcap"), sinks=sinks,
                   scale=head_dim ** -0.5)
@@ -92,6 +97,44 @@ def test_heads_dims_dtypes(heads, head_dim, dtype):
     if dtype == torch.float32 and head_dim == 256:
         pytest.skip("fp32 at D=256 does not fit a tile's registers")
     check("mixed", heads, head_dim, dtype, FEATURES["all"] if heads == "gqa4" else {}, True)
+
+
+@pytest.mark.parametrize("features", ["plain", "all"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("page", [128, 256])
+def test_pages_of_whole_tiles_read_as_blocks(page, batch, features):
+    """Pages holding whole key tiles (transformers' 256 slots): each tile one block load; the
+    second request of each batch straddles blocks, so both reads meet in one launch."""
+    check(batch, "gqa4", 128, torch.bfloat16, FEATURES[features], True, page=page,
+          shifted=(1,))
+
+
+def test_arrays_past_2_31_elements():
+    """A cache of more than 2**31 elements read past that point (one request on aligned
+    blocks, two a slot off them), and the same rows as packed keys: the 64-bit entry."""
+    rows, heads_kv, head_dim = 2 ** 21 + 8192, 8, 128
+    q_lens, k_lens = (1, 1, 40), (3000, 1500, 700)
+    starts = (2 ** 21 + 4096, 2 ** 21 + 1, 2 ** 21 + 1501)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache_k, cache_v = (torch.randn(rows, heads_kv, head_dim, generator=g, device="cuda",
+                                    dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(sum(q_lens), 32, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    slots = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, k_lens)]).cuda()
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0)], dtype=torch.int32)
+                  for n in (q_lens, k_lens))
+    want = definition(q.cpu().float(), cache_k[slots].cpu().float(),
+                      cache_v[slots].cpu().float(), cu_q, cu_k, scale=head_dim ** -0.5)
+    paged = varlen_attention(q, cache_k, cache_v, cu_q.cuda(), cu_k.cuda(), 40, key_slots=slots)
+    # Packed: the whole cache as keys, a first request of no queries owning the rows below.
+    cu_q_packed = torch.tensor([0, 0, 1, 41], dtype=torch.int32, device="cuda")
+    cu_k_packed = torch.tensor([0, starts[1], starts[2], starts[2] + k_lens[2]],
+                               dtype=torch.int32, device="cuda")
+    packed = varlen_attention(q[1:], cache_k, cache_v, cu_q_packed, cu_k_packed, 40)
+    torch.cuda.synchronize()
+    for out, expected in ((paged, want), (packed, want[1:])):
+        assert torch.isfinite(out).all()
+        err = (out.double().cpu() - expected).abs().max().item()
+        assert err <= TOLERANCE[torch.bfloat16], err
 
 
 def test_strided_query_and_preset_output():
