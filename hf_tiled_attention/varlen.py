@@ -156,15 +156,15 @@ def _launch(*args) -> None:
     with launch_device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         for grid, arrays, scalars, constants in launches(*args):
-            ct.launch(stream, grid, _kernel(arrays), arrays + scalars + (constants,))
+            ct.launch(stream, grid, _kernel(arrays, constants), arrays + scalars + (constants,))
 
 
-def _kernel(arrays: tuple):
-    """The kernel entry for these arrays: 64-bit addresses where one holds 2**31 elements or
-    more (a large paged cache, a long packed batch), else 32-bit (faster)."""
-    from .varlen_kernel import varlen_forward_kernel, varlen_forward_wide_kernel
-    wide = any(a.numel() >= 2 ** 31 for a in arrays)
-    return varlen_forward_wide_kernel if wide else varlen_forward_kernel
+def _kernel(arrays: tuple, constants: tuple):
+    """The kernel entry of a launch: 64-bit addresses for the cache, or where an array holds
+    2**31 elements or more (a long packed batch); else 32-bit (faster)."""
+    from .varlen_kernel import PAGED, varlen_forward_kernel, varlen_forward_paged_kernel
+    wide = constants[PAGED] or any(a.numel() >= 2 ** 31 for a in arrays)
+    return varlen_forward_paged_kernel if wide else varlen_forward_kernel
 
 
 def export_cubins(*args, arch: str) -> list[bytes]:
@@ -186,7 +186,7 @@ def export_cubins(*args, arch: str) -> list[bytes]:
             + [ScalarConstraint(ct.int32)] * 3 + [constants],
             CallingConvention.cutile_python_v2())
         buffer = io.BytesIO()
-        export_kernel(_kernel(arrays), [signature], buffer, gpu_code=arch,
+        export_kernel(_kernel(arrays, constants), [signature], buffer, gpu_code=arch,
                       output_format="cubin")
         cubins.append(buffer.getvalue())
     return cubins

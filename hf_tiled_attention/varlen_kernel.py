@@ -45,9 +45,8 @@ def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
                    max_queries: int,     # this and at most that many (varlen.py: two launches)
                    C: ct.Constant):
     """Q, Out ``(Tq, heads, G_TILE, D)`` (``heads`` = Hq / G_TILE); K, V ``(Tk, Hkv, D)``
-    packed like the queries, or with PAGED the cache ``(slots, Hkv, D)`` and Slots ``(Tk,)``
-    int32/64 the slot of each packed key (else unread); CuQ, CuK ``(R + 1,)`` int32; Sinks
-    ``(Hq,)`` fp32 (read with SINKS only). Arrays below 2**31 elements (32-bit addresses)."""
+    packed like the queries (PAGED False); CuQ, CuK ``(R + 1,)`` int32; Sinks ``(Hq,)`` fp32
+    (read with SINKS only); Slots unread."""
     _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
              min_queries, max_queries, C)
 
@@ -55,21 +54,23 @@ def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
 varlen_forward_kernel = ct.kernel(varlen_forward)
 
 # A paged cache (or a long packed batch) may hold 2**31 elements or more: its addresses take
-# 64-bit arithmetic, which costs the smaller calls' read rate (a shared 64-bit entry read
-# packed keys at 3.2 TB/s against 4.3, R=256 x 16k keys: paged_decode_bench), so it has its own
-# entry, chosen by size (varlen.py).
+# 64-bit arithmetic. The packed entry above keeps 32-bit ones for smaller arrays (with 64-bit
+# ones in one shared entry, its decode read rate measured 3.2 TB/s against 4.3 before, R=256 x
+# 16k keys: paged_decode_bench, a run each); varlen.py chooses.
 Wide = Annotated[ct.Array, ct.ArrayAnnotation(index_dtype=ct.int64)]
 
 
-def varlen_forward_wide(Q: Wide, K: Wide, V: Wide, Slots, CuQ, CuK, Sinks, Out: Wide,
-                        score_scale: float, softcap_out: float, window: int, min_queries: int,
-                        max_queries: int, C: ct.Constant):
-    """:func:`varlen_forward` with 64-bit addresses into Q, K, V and Out."""
+def varlen_forward_paged(Q: Wide, K: Wide, V: Wide, Slots, CuQ, CuK, Sinks, Out: Wide,
+                         score_scale: float, softcap_out: float, window: int, min_queries: int,
+                         max_queries: int, C: ct.Constant):
+    """As :func:`varlen_forward` with 64-bit addresses: K and V the cache ``(slots, Hkv, D)``
+    and Slots ``(Tk,)`` int32/64 the slot of each packed key (PAGED True), or packed keys
+    (PAGED False) where an array holds 2**31 elements or more."""
     _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
              min_queries, max_queries, C)
 
 
-varlen_forward_wide_kernel = ct.kernel(varlen_forward_wide)
+varlen_forward_paged_kernel = ct.kernel(varlen_forward_paged)
 
 
 def _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
@@ -139,19 +140,12 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
     state = (m_i, l_i, acc)
     arrays = (K_req, V_req, Slots_req)
     where = (q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out)
-    bounds = (first, full_lo, full_hi, end)
-    if C[PAGED]:
-        # A request whose key tiles each sit on N aligned consecutive cache rows (pages of a
-        # multiple of N slots: continuous batching's full-attention layers) loads each tile as
-        # one block found from its first slot; any other slot list is gathered row by row.
-        # Deciding once per request keeps the slot checks out of the loop: with a check per
-        # tile, decode read 1.5 TB/s against 3.2 without (R=32 x 16k keys).
-        if _tiles_are_blocks(Slots_req, k_len, C):
-            state = _key_loop(bounds, state, arrays, where, BLOCKS, C)
-        else:
-            state = _key_loop(bounds, state, arrays, where, ROWS_GATHERED, C)
-    else:
-        state = _key_loop(bounds, state, arrays, where, PACKED, C)
+    for j in range(first, full_lo):
+        state = _key_tile(j, state, arrays, where, True, C)
+    for j in range(full_lo, full_hi):
+        state = _key_tile(j, state, arrays, where, False, C)
+    for j in range(full_hi, end):
+        state = _key_tile(j, state, arrays, where, True, C)
     m_i, l_i, acc = state
 
     if C[SINKS]:
@@ -168,92 +162,54 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
              tile=out.reshape((ROWS, 1, G, D)).astype(Out.dtype))
 
 
-# How a key tile is read (_key_loop's ``HOW``)
-PACKED = 0         # K, V hold the request's keys in order
-BLOCKS = 1         # from the cache: N consecutive rows, an aligned block, per tile
-ROWS_GATHERED = 2  # from the cache: row by row through Slots
-SLOTS_CHECKED = 1024  # slots _tiles_are_blocks reads per step
-
-
-def _tiles_are_blocks(Slots, k_len, C):
-    """Whether each key tile ``j`` of the request has slots ``s .. s + N`` (its valid ones)
-    with ``s`` a multiple of N: slot minus key index is then one multiple of N per tile."""
-    N = C[TILE_N]
-    S = SLOTS_CHECKED
-    bad = 0
-    for c in range(ct.cdiv(k_len, S)):
-        keys = c * S + ct.arange(S, dtype=ct.int32)
-        valid = keys < k_len
-        shift = ct.load(Slots, index=(c,), shape=(S,),
-                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32) - keys
-        bad += ct.sum(ct.where(valid & (shift % N != 0), 1, 0))
-        per_tile = shift.reshape((S // N, N))
-        valid = valid.reshape((S // N, N))
-        high = ct.max(ct.where(valid, per_tile, -(2 ** 30)), axis=1)
-        low = ct.min(ct.where(valid, per_tile, 2 ** 30), axis=1)
-        bad += ct.sum(ct.where(high > low, 1, 0))
-    return bad == 0
-
-
-def _key_loop(bounds, state, arrays, where, HOW, C):
-    """The online softmax over key tiles ``first .. end``; tiles ``full_lo .. full_hi`` are
-    seen whole by every row (no causal/window rule to apply)."""
-    first, full_lo, full_hi, end = bounds
-    for j in range(first, full_lo):
-        state = _key_tile(j, state, arrays, where, HOW, True, C)
-    for j in range(full_lo, full_hi):
-        state = _key_tile(j, state, arrays, where, HOW, False, C)
-    for j in range(full_hi, end):
-        state = _key_tile(j, state, arrays, where, HOW, True, C)
-    return state
-
-
-def _kv_tile(K, V, Slots, j, kv_head, k_len, HOW, EDGE, C):
-    """Key tile ``j`` of a request: ``(N, D)`` keys and values, rows past its keys zeros."""
+def _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C):
+    """Key tile ``j`` of a request from the cache: one block load where its slots are the
+    cache's rows ``first .. first + N`` with ``first`` a multiple of N (a page holds whole
+    tiles: what continuous batching's full-attention layers give), else a gather row by row.
+    Rows past the request's keys are zeros."""
     N = C[TILE_N]
     D = C[TILE_D]
-    if HOW == ROWS_GATHERED:
-        cols = ct.arange(N, dtype=ct.int32)
-        valid = j * N + cols < k_len
-        slots = ct.load(Slots, index=(j,), shape=(N,),
-                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+    cols = ct.arange(N, dtype=ct.int32)
+    valid = j * N + cols < k_len
+    slots = ct.load(Slots, index=(j,), shape=(N,),
+                    padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+    first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+    slots = ct.where(valid, slots, first)
+    if ct.sum(ct.where(slots == first + cols, 0, 1)) + first % N == 0:
+        k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+        v = ct.load(V, index=(first // N, kv_head, 0), shape=(N, 1, D),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    else:
         # Gather from the lowest slot on: row offsets stay small for int32 address math.
-        base = ct.min(ct.where(valid, slots, 2 ** 31 - 1))
-        rows = ct.where(valid, slots - base, 0)
+        base = ct.min(slots)
+        rows = slots - base
         k = ct.load_advanced_indexing(K.slice(axis=0, start=base, stop=K.shape[0]),
                                       (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
                                       padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
         v = ct.load_advanced_indexing(V.slice(axis=0, start=base, stop=V.shape[0]),
                                       (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
                                       padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
-    elif HOW == BLOCKS:
-        block = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int64).item() // N
-        k = ct.load(K, index=(block, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
-        v = ct.load(V, index=(block, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+    if EDGE:  # a padded row is a real cache row (another request's, or stale): 0 * NaN is NaN
+        v = ct.where(valid[:, None], v, 0.0)
+    return k, v
+
+
+def _key_tile(j, state, arrays, where, EDGE, C):
+    """One online-softmax step over the request's key tile ``j``. ``EDGE``: the tile may hold
+    keys some rows do not see (apply the causal/window rule); else every row sees all of it."""
+    m_i, l_i, acc = state
+    K, V, Slots = arrays
+    q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out = where
+    N = C[TILE_N]
+    D = C[TILE_D]
+    if C[PAGED]:
+        k, v = _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C)
     else:
         k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
         v = ct.load(V, index=(j, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
-    if EDGE and HOW != PACKED:
-        # A cache row past the request's keys is real (another request's, or stale): 0 * NaN
-        # is NaN, so its value is zeroed (its score is already -inf).
-        valid = j * N + ct.arange(N, dtype=ct.int32) < k_len
-        v = ct.where(valid[:, None], v, 0.0)
-    return k, v
-
-
-def _key_tile(j, state, arrays, where, HOW, EDGE, C):
-    """One online-softmax step over the request's key tile ``j``, read as ``HOW`` says.
-    ``EDGE``: the tile may hold keys some rows do not see (apply the causal/window rule); else
-    every row sees all of it."""
-    m_i, l_i, acc = state
-    K, V, Slots = arrays
-    q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out = where
-    N = C[TILE_N]
-    k, v = _kv_tile(K, V, Slots, j, kv_head, k_len, HOW, EDGE, C)
     qk = mma(q, ct.transpose(k), ct.full((C[TILE_M], N), 0.0, dtype=ct.float32))
     if C[SOFTCAP]:
         s = ct.tanh(qk * score_scale) * softcap_out

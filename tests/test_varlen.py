@@ -177,13 +177,13 @@ def test_kernel_compiles(variant, arch):
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
 
 
-def test_arrays_of_2_31_elements_take_the_64_bit_entry():
-    from hf_tiled_attention.varlen_kernel import varlen_forward_kernel, varlen_forward_wide_kernel
-    for rows, kernel in ((2 ** 21 - 16, varlen_forward_kernel),
-                         (2 ** 21, varlen_forward_wide_kernel)):
-        for paged in (True, False):
-            launches = varlen.launches(*_launch_args(cache_rows=rows, paged=paged))
-            assert varlen._kernel(launches[0][1]) is kernel
+def test_the_cache_and_arrays_of_2_31_elements_take_the_64_bit_entry():
+    from hf_tiled_attention.varlen_kernel import varlen_forward_kernel, varlen_forward_paged_kernel
+    for rows, paged, kernel in ((2 ** 21 - 16, False, varlen_forward_kernel),
+                                (2 ** 21, False, varlen_forward_paged_kernel),
+                                (16, True, varlen_forward_paged_kernel)):
+        _, arrays, _, constants = varlen.launches(*_launch_args(cache_rows=rows, paged=paged))[0]
+        assert varlen._kernel(arrays, constants) is kernel
 
 
 # ---------------------------------------------------------------------------------------------
