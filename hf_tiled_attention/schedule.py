@@ -471,11 +471,13 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
     raise LookupError(f"no backward schedule for head dim {head_dim}")
 
 
-def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
+def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's
-    tile holds one position of a head group and streams long key tiles (its time is reading
-    K/V); a prefill chunk's takes the forward's 128 x 64 tiles (at D=128 and 256, 64 x 64 and
-    64 x 32 tiles reading a paged cache fail in tileiras 13.x, 128 x 64 compiles)."""
+    tile holds one position of a head group and streams key tiles (its time is reading K/V):
+    128 keys from packed keys, 64 from a paged cache (each tile's slots looked up: 1.8 TB/s
+    against 1.5 with 128, H200, R=32 x 16k and R=256 x 4k keys, perf-notes step 52); a prefill
+    chunk's takes the forward's 128 x 64 tiles (at D=128 and 256, 64 x 64 and 64 x 32 tiles
+    reading a paged cache fail in tileiras 13.x, 128 x 64 compiles)."""
     if max_seqlen_q * g_tile <= 16:
-        return 16, 128
+        return (16, 64) if paged else (16, 128)
     return 128, 64

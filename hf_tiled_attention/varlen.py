@@ -111,12 +111,12 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     else:
         scalars = (scale * LOG2E, 0.0)
     scalars += (int(window) if window is not None else 0,)
-    short_rows = varlen_tiles(1, g_tile)[0] // g_tile  # a decode tile's positions
+    short_rows = varlen_tiles(1, g_tile, False)[0] // g_tile  # a decode tile's positions
     result = []
     for low, high in ((0, short_rows), (short_rows, max(max_seqlen_q, short_rows))):
         if high <= low:
             continue
-        tile_m, tile_n = varlen_tiles(high, g_tile)
+        tile_m, tile_n = varlen_tiles(high, g_tile, key_slots is not None)
         constants = [0] * 8
         constants[TILE_M], constants[TILE_N] = tile_m, tile_n
         constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
