@@ -133,7 +133,7 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name.startswith("fp8-qk"):  # P @ V in bf16
         return attention(q, k, v.bfloat16().float(), scale,
                          round_p=lambda p: p.bfloat16().float())
-    v_rows = 0 if "vchan" in options else block if rows == 1 else rows  # V per block at least
+    v_rows = 0 if "vchan" in name else block if rows == 1 else rows  # V per block at least
     v8 = e4m3(v, amax_scale(v, v_rows))
     return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale), bias=bias)
 
