@@ -18,6 +18,14 @@ same (unrounded) inputs:
   channels over all of them (FlashAttention-3's incoherent processing);
 * ``fp8-token+rot``: Q and K with one scale per token (a kernel multiplies the score tile by
   the outer product of the two scale vectors), V per block, after the rotation;
+* ``...+smooth``: K's mean over the sequence (per head and channel) subtracted first, which
+  shifts every score of a query row by the same ``q . mean(k)`` (softmax does not see it) and
+  leaves K's rounding error on the smaller differences (SageAttention's smoothing of K);
+* ``...+qsmooth``: Q's mean over the sequence likewise taken out before rounding and its
+  scores added back exactly, ``mean(q) . k`` one fp32 bias per key (SageAttention2's
+  smoothing of Q; a decode step's single query then leaves nothing to round in Q K^T);
+* ``...+vchan``: V with one scale per head and channel (over the sequence), which a kernel
+  applies to the output once, where a per-block V scale rescales every P @ V product;
 * ``fp8-qk-block+rot`` / ``fp8-qk-token+rot``: only Q K^T in FP8 (as fp8-block+rot /
   fp8-token+rot), V and P in bf16; ``fp8-pv-block``: only P @ V in FP8 (as fp8-block), Q and
   K in bf16: where the error comes from.
@@ -50,7 +58,9 @@ from eval.common import ResultsWriter, results_dir  # noqa: E402
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 COLUMNS = ["inputs", "scheme", "seq", "heads", "head_dim", "block", "max_abs", "rms", "rel_rms"]
 SCHEMES = ["bf16", "fp8-head", "fp8-block", "fp8-head+rot", "fp8-block+rot", "fp8-token+rot",
-           "fp8-qk-block+rot", "fp8-qk-token+rot", "fp8-pv-block"]
+           "fp8-token+rot+smooth", "fp8-token+rot+smooth+vchan",
+           "fp8-token+rot+smooth+qsmooth+vchan", "fp8-qk-block+rot",
+           "fp8-qk-token+rot", "fp8-qk-token+rot+smooth", "fp8-pv-block", "fp8-pv-vchan"]
 
 
 def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -60,9 +70,12 @@ def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def amax_scale(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    """One scale per head (``block`` None) or per head and block of rows: amax / 448."""
+    """One scale per head (``block`` None), per head and block of rows, or (``block`` 0) per
+    head and channel: amax / 448."""
     heads, seq, dim = x.shape
-    if block is None:
+    if block == 0:
+        amax = x.abs().amax(dim=1, keepdim=True)
+    elif block is None:
         amax = x.abs().amax(dim=(1, 2), keepdim=True)
     else:
         blocks = x.reshape(heads, seq // block, block, dim).abs().amax(dim=(2, 3), keepdim=True)
@@ -79,12 +92,15 @@ def hadamard(dim: int, generator: torch.Generator) -> torch.Tensor:
     return signs[:, None] * h / math.sqrt(dim)
 
 
-def attention(q, k, v, scale, round_p=None) -> torch.Tensor:
-    """Causal softmax(q k^T * scale) v in the inputs' dtype math (fp32 or fp64); ``round_p``
-    rounds the probabilities after the row max is subtracted (before they meet V), as a kernel
-    holds them for the P @ V product."""
+def attention(q, k, v, scale, round_p=None, bias=None) -> torch.Tensor:
+    """Causal softmax((q k^T + bias) * scale) v in the inputs' dtype math (fp32 or fp64);
+    ``round_p`` rounds the probabilities after the row max is subtracted (before they meet V),
+    as a kernel holds them for the P @ V product; ``bias`` (heads, 1, seq) one per key."""
     seq = q.shape[1]
-    scores = q @ k.transpose(1, 2) * scale
+    scores = q @ k.transpose(1, 2)
+    if bias is not None:
+        scores = scores + bias
+    scores = scores * scale
     hidden = torch.ones(seq, seq, dtype=torch.bool).triu(1)
     scores = scores.masked_fill(hidden, -math.inf)
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
@@ -98,7 +114,15 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name == "bf16":
         bf = [t.bfloat16().float() for t in (q, k, v)]
         return attention(*bf, scale, round_p=lambda p: p.bfloat16().float())
-    if name.endswith("+rot"):
+    options = name.split("+")[1:]
+    if "smooth" in options:  # q.(k - mean k) = q.k - q.mean k: the same for every key of a row
+        k = k - k.mean(dim=1, keepdim=True)
+    bias = None
+    if "qsmooth" in options:  # q.k = (q - mean q).k + mean q.k, the last term exact
+        q_mean = q.mean(dim=1, keepdim=True)
+        bias = q_mean @ k.transpose(1, 2)
+        q = q - q_mean
+    if "rot" in options:
         q, k = q @ rotation, k @ rotation
     rows = block if "block" in name else 1 if "token" in name else None
     p_scale = torch.tensor(1.0 / E4M3_MAX)
@@ -109,8 +133,9 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name.startswith("fp8-qk"):  # P @ V in bf16
         return attention(q, k, v.bfloat16().float(), scale,
                          round_p=lambda p: p.bfloat16().float())
-    v8 = e4m3(v, amax_scale(v, block if rows == 1 else rows))  # V per block at least
-    return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale))
+    v_rows = 0 if "vchan" in name else block if rows == 1 else rows  # V per block at least
+    v8 = e4m3(v, amax_scale(v, v_rows))
+    return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale), bias=bias)
 
 
 PPL_COLUMNS = ["model", "text", "window", "tokens", "scheme", "ppl", "ppl_rel_diff"]
