@@ -18,6 +18,11 @@ same (unrounded) inputs:
   channels over all of them (FlashAttention-3's incoherent processing);
 * ``fp8-token+rot``: Q and K with one scale per token (a kernel multiplies the score tile by
   the outer product of the two scale vectors), V per block, after the rotation;
+* ``...+smooth``: K's mean over the sequence (per head and channel) subtracted first, which
+  shifts every score of a query row by the same ``q . mean(k)`` (softmax does not see it) and
+  leaves K's rounding error on the smaller differences (SageAttention's smoothing of K);
+* ``...+vchan``: V with one scale per head and channel (over the sequence), which a kernel
+  applies to the output once, where a per-block V scale rescales every P @ V product;
 * ``fp8-qk-block+rot`` / ``fp8-qk-token+rot``: only Q K^T in FP8 (as fp8-block+rot /
   fp8-token+rot), V and P in bf16; ``fp8-pv-block``: only P @ V in FP8 (as fp8-block), Q and
   K in bf16: where the error comes from.
@@ -50,7 +55,8 @@ from eval.common import ResultsWriter, results_dir  # noqa: E402
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 COLUMNS = ["inputs", "scheme", "seq", "heads", "head_dim", "block", "max_abs", "rms", "rel_rms"]
 SCHEMES = ["bf16", "fp8-head", "fp8-block", "fp8-head+rot", "fp8-block+rot", "fp8-token+rot",
-           "fp8-qk-block+rot", "fp8-qk-token+rot", "fp8-pv-block"]
+           "fp8-token+rot+smooth", "fp8-token+rot+smooth+vchan", "fp8-qk-block+rot",
+           "fp8-qk-token+rot", "fp8-qk-token+rot+smooth", "fp8-pv-block", "fp8-pv-vchan"]
 
 
 def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -60,9 +66,12 @@ def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def amax_scale(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    """One scale per head (``block`` None) or per head and block of rows: amax / 448."""
+    """One scale per head (``block`` None), per head and block of rows, or (``block`` 0) per
+    head and channel: amax / 448."""
     heads, seq, dim = x.shape
-    if block is None:
+    if block == 0:
+        amax = x.abs().amax(dim=1, keepdim=True)
+    elif block is None:
         amax = x.abs().amax(dim=(1, 2), keepdim=True)
     else:
         blocks = x.reshape(heads, seq // block, block, dim).abs().amax(dim=(2, 3), keepdim=True)
@@ -98,7 +107,9 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name == "bf16":
         bf = [t.bfloat16().float() for t in (q, k, v)]
         return attention(*bf, scale, round_p=lambda p: p.bfloat16().float())
-    if name.endswith("+rot"):
+    if "+smooth" in name:  # q.(k - mean k) = q.k - q.mean k: the same for every key of a row
+        k = k - k.mean(dim=1, keepdim=True)
+    if "+rot" in name:
         q, k = q @ rotation, k @ rotation
     rows = block if "block" in name else 1 if "token" in name else None
     p_scale = torch.tensor(1.0 / E4M3_MAX)
@@ -109,7 +120,8 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name.startswith("fp8-qk"):  # P @ V in bf16
         return attention(q, k, v.bfloat16().float(), scale,
                          round_p=lambda p: p.bfloat16().float())
-    v8 = e4m3(v, amax_scale(v, block if rows == 1 else rows))  # V per block at least
+    v_rows = 0 if "vchan" in name else block if rows == 1 else rows  # V per block at least
+    v8 = e4m3(v, amax_scale(v, v_rows))
     return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale))
 
 

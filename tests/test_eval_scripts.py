@@ -825,3 +825,25 @@ def test_fp8_rounding_and_rotation():
     assert torch.equal(e4m3(x, torch.tensor(1.0)), torch.tensor([1.0, 0.3125, 448.0, -0.0]))
     h = hadamard(64, torch.Generator().manual_seed(0))
     torch.testing.assert_close(h @ h.T, torch.eye(64), atol=1e-6, rtol=0)
+
+
+def test_fp8_smoothing_of_k_and_channel_scales_of_v():
+    """Subtracting K's mean leaves exact attention as it is (each row's scores shift by one
+    constant) and, where K has a common offset, takes most of the FP8 rounding error of Q K^T
+    away; V's per-channel scales follow a channel 100x the others where one scale per block
+    rounds the small channels to nothing."""
+    from eval.fp8_numerics import amax_scale, attention, scheme_output
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 128, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    k = k + 4.0 * torch.randn(2, 1, 64, generator=g, dtype=torch.float64)  # a shared offset
+    exact = attention(q, k, v, 0.125)
+    torch.testing.assert_close(attention(q, k - k.mean(1, keepdim=True), v, 0.125), exact)
+    rotation = torch.eye(64)
+    errors = {name: (scheme_output(name, q.float(), k.float(), v.float(), 0.125, 64, rotation)
+                     - exact).abs().max().item()
+              for name in ("fp8-qk-token+rot", "fp8-qk-token+rot+smooth")}
+    assert errors["fp8-qk-token+rot+smooth"] < 0.5 * errors["fp8-qk-token+rot"], errors
+    v[..., 0] *= 100
+    assert amax_scale(v, 0).shape == (2, 1, 64)
+    torch.testing.assert_close(amax_scale(v, 0)[..., 1:], v[..., 1:].abs().amax(1, keepdim=True)
+                               / 448)
