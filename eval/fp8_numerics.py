@@ -21,6 +21,9 @@ same (unrounded) inputs:
 * ``...+smooth``: K's mean over the sequence (per head and channel) subtracted first, which
   shifts every score of a query row by the same ``q . mean(k)`` (softmax does not see it) and
   leaves K's rounding error on the smaller differences (SageAttention's smoothing of K);
+* ``...+qsmooth``: Q's mean over the sequence likewise taken out before rounding and its
+  scores added back exactly, ``mean(q) . k`` one fp32 bias per key (SageAttention2's
+  smoothing of Q; a decode step's single query then leaves nothing to round in Q K^T);
 * ``...+vchan``: V with one scale per head and channel (over the sequence), which a kernel
   applies to the output once, where a per-block V scale rescales every P @ V product;
 * ``fp8-qk-block+rot`` / ``fp8-qk-token+rot``: only Q K^T in FP8 (as fp8-block+rot /
@@ -55,7 +58,8 @@ from eval.common import ResultsWriter, results_dir  # noqa: E402
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 COLUMNS = ["inputs", "scheme", "seq", "heads", "head_dim", "block", "max_abs", "rms", "rel_rms"]
 SCHEMES = ["bf16", "fp8-head", "fp8-block", "fp8-head+rot", "fp8-block+rot", "fp8-token+rot",
-           "fp8-token+rot+smooth", "fp8-token+rot+smooth+vchan", "fp8-qk-block+rot",
+           "fp8-token+rot+smooth", "fp8-token+rot+smooth+vchan",
+           "fp8-token+rot+smooth+qsmooth+vchan", "fp8-qk-block+rot",
            "fp8-qk-token+rot", "fp8-qk-token+rot+smooth", "fp8-pv-block", "fp8-pv-vchan"]
 
 
@@ -88,12 +92,15 @@ def hadamard(dim: int, generator: torch.Generator) -> torch.Tensor:
     return signs[:, None] * h / math.sqrt(dim)
 
 
-def attention(q, k, v, scale, round_p=None) -> torch.Tensor:
-    """Causal softmax(q k^T * scale) v in the inputs' dtype math (fp32 or fp64); ``round_p``
-    rounds the probabilities after the row max is subtracted (before they meet V), as a kernel
-    holds them for the P @ V product."""
+def attention(q, k, v, scale, round_p=None, bias=None) -> torch.Tensor:
+    """Causal softmax((q k^T + bias) * scale) v in the inputs' dtype math (fp32 or fp64);
+    ``round_p`` rounds the probabilities after the row max is subtracted (before they meet V),
+    as a kernel holds them for the P @ V product; ``bias`` (heads, 1, seq) one per key."""
     seq = q.shape[1]
-    scores = q @ k.transpose(1, 2) * scale
+    scores = q @ k.transpose(1, 2)
+    if bias is not None:
+        scores = scores + bias
+    scores = scores * scale
     hidden = torch.ones(seq, seq, dtype=torch.bool).triu(1)
     scores = scores.masked_fill(hidden, -math.inf)
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
@@ -107,9 +114,15 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name == "bf16":
         bf = [t.bfloat16().float() for t in (q, k, v)]
         return attention(*bf, scale, round_p=lambda p: p.bfloat16().float())
-    if "+smooth" in name:  # q.(k - mean k) = q.k - q.mean k: the same for every key of a row
+    options = name.split("+")[1:]
+    if "smooth" in options:  # q.(k - mean k) = q.k - q.mean k: the same for every key of a row
         k = k - k.mean(dim=1, keepdim=True)
-    if "+rot" in name:
+    bias = None
+    if "qsmooth" in options:  # q.k = (q - mean q).k + mean q.k, the last term exact
+        q_mean = q.mean(dim=1, keepdim=True)
+        bias = q_mean @ k.transpose(1, 2)
+        q = q - q_mean
+    if "rot" in options:
         q, k = q @ rotation, k @ rotation
     rows = block if "block" in name else 1 if "token" in name else None
     p_scale = torch.tensor(1.0 / E4M3_MAX)
@@ -122,7 +135,7 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
                          round_p=lambda p: p.bfloat16().float())
     v_rows = 0 if "vchan" in name else block if rows == 1 else rows  # V per block at least
     v8 = e4m3(v, amax_scale(v, v_rows))
-    return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale))
+    return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale), bias=bias)
 
 
 PPL_COLUMNS = ["model", "text", "window", "tokens", "scheme", "ppl", "ppl_rel_diff"]

@@ -850,6 +850,13 @@ def test_fp8_smoothing_of_k_and_channel_scales_of_v():
                      - exact).abs().max().item()
               for name in ("fp8-qk-token+rot", "fp8-qk-token+rot+smooth")}
     assert errors["fp8-qk-token+rot+smooth"] < 0.5 * errors["fp8-qk-token+rot"], errors
+    # Q's mean taken out and its scores added back exactly: a common offset in Q likewise
+    q = q + 4.0 * torch.randn(2, 1, 64, generator=g, dtype=torch.float64)
+    exact = attention(q, k, v, 0.125)
+    errors = {name: (scheme_output(name, q.float(), k.float(), v.float(), 0.125, 64, rotation)
+                     - exact).abs().max().item()
+              for name in ("fp8-token+rot+smooth+vchan", "fp8-token+rot+smooth+qsmooth+vchan")}
+    assert errors["fp8-token+rot+smooth+qsmooth+vchan"] < 0.7 * errors["fp8-token+rot+smooth+vchan"]
     v[..., 0] *= 100
     assert amax_scale(v, 0).shape == (2, 1, 64)
     torch.testing.assert_close(amax_scale(v, 0)[..., 1:], v[..., 1:].abs().amax(1, keepdim=True)
