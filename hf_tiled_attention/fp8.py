@@ -10,6 +10,9 @@ SmolLM2-135M with each scheme as its attention; results in eval/results/fp8-nume
 * K's mean over the sequence (per batch row, head and channel) is subtracted first: each score
   of a query row shifts by the same ``q . mean(k)``, which softmax does not see, and K's
   rounding error falls on the smaller differences (SageAttention's smoothing);
+* Q's mean over the sequence is taken out too, and its part of each score, ``mean(q) . k``,
+  added back exactly: one fp32 bias per head and key (SageAttention2's smoothing of Q). A
+  decode step's single query leaves nothing to round: its scores are that bias;
 * Q and K get one scale per token (amax / 448), V one per channel (over the sequence);
 * the probabilities, at most 1 after the running max is subtracted, are stored as e4m3 times
   448 inside the kernel.
@@ -41,6 +44,7 @@ class Fp8Inputs(NamedTuple):
     q_scale: torch.Tensor   # (B, Hq, Sq) fp32
     k8: torch.Tensor        # (B, Hkv, Skv, Dp) e4m3, smoothed
     k_scale: torch.Tensor   # (B, Hkv, Skv) fp32
+    k_bias: torch.Tensor    # (B, Hq, Skv) fp32: mean(q) . k, the scores' exact part
     vt8: torch.Tensor       # (B, Hkv, D, Skv rounded up to 16) e4m3, V transposed
     v_scale: torch.Tensor   # (B, Hkv, D) fp32
 
@@ -102,17 +106,22 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Fp8
     padded = head_dim_tile(dim)
     rot = rotation(padded, query.device)
     pad = (0, padded - dim)
-    q = torch.nn.functional.pad(query.float(), pad) @ rot
+    batch, heads_q, _, _ = query.shape
+    heads_kv, seq_kv = key.shape[1], key.shape[2]
+    q = query.float()
+    q_mean = q.mean(dim=2, keepdim=True)
     k = key.float()
-    k = torch.nn.functional.pad(k - k.mean(dim=2, keepdim=True), pad) @ rot
-    q8, q_scale = _token_scaled(q)
-    k8, k_scale = _token_scaled(k)
+    k = k - k.mean(dim=2, keepdim=True)
+    # mean(q) . k per query head: the heads of a group share their kv head's keys
+    k_bias = (q_mean.view(batch, heads_kv, heads_q // heads_kv, dim) @ k.transpose(2, 3))
+    q8, q_scale = _token_scaled(torch.nn.functional.pad(q - q_mean, pad) @ rot)
+    k8, k_scale = _token_scaled(torch.nn.functional.pad(k, pad) @ rot)
     v = value.float()
     v_scale = v.abs().amax(2).clamp_min(_TINY) / E4M3_MAX
-    seq_kv = value.shape[2]
     vt = torch.nn.functional.pad(v.transpose(2, 3), (0, -seq_kv % 16))
     vt8 = to_e4m3(vt, v_scale[..., None])
-    return Fp8Inputs(q8, q_scale, k8, k_scale, vt8, v_scale)
+    return Fp8Inputs(q8, q_scale, k8, k_scale, k_bias.reshape(batch, heads_q, seq_kv), vt8,
+                     v_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +133,7 @@ def reference(inputs: Fp8Inputs, head_dim: int, is_causal: bool, scale: float,
               sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """fp32 ``(B, Hq, Sq, head_dim)``: key tiles of the kernel's width in order, a running max,
     the probabilities rounded to e4m3 times 448 against the running max, as fp8_kernel.py."""
-    q8, q_scale, k8, k_scale, vt8, v_scale = inputs
+    q8, q_scale, k8, k_scale, k_bias, vt8, v_scale = inputs
     batch, heads_q, seq_q, _ = q8.shape
     heads_kv, seq_kv = k8.shape[1], k8.shape[2]
     group = heads_q // heads_kv
@@ -141,7 +150,8 @@ def reference(inputs: Fp8Inputs, head_dim: int, is_causal: bool, scale: float,
     acc = torch.zeros(batch, heads_q, seq_q, v.shape[-1], device=q.device)
     for lo in range(0, seq_kv, tile_n):
         hi = min(lo + tile_n, seq_kv)
-        s = (q @ k[:, :, lo:hi].transpose(2, 3)) * qs * ks[:, :, None, lo:hi]
+        s = (q @ k[:, :, lo:hi].transpose(2, 3)) * qs * ks[:, :, None, lo:hi] + \
+            k_bias[:, :, None, lo:hi] * score_scale
         if softcap:
             s = torch.tanh(s) * (softcap * LOG2E)
         keys = torch.arange(lo, hi, device=q.device)[None, :]
@@ -235,8 +245,8 @@ def launch_args(inputs: Fp8Inputs, out: torch.Tensor, is_causal: bool, scale: fl
         scalars = (scale * LOG2E, 0.0)
     sinks_arg = sinks.float() if sinks is not None else inputs.v_scale  # unread without SINKS
     grid = (-(-seq_q // tile_m), heads_q, batch)
-    arrays = (inputs.q8, inputs.q_scale, inputs.k8, inputs.k_scale, inputs.vt8, inputs.v_scale,
-              sinks_arg, out)
+    arrays = (inputs.q8, inputs.q_scale, inputs.k8, inputs.k_scale, inputs.k_bias, inputs.vt8,
+              inputs.v_scale, sinks_arg, out)
     return grid, arrays + scalars + (seq_kv - seq_q, int(window or 0), tuple(constants))
 
 
@@ -278,7 +288,7 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
     inputs = quantize_meta(query, key, value)
     out = torch.empty(query.shape, dtype=query.dtype, device="meta")
     _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
-    arrays = args[:8]
+    arrays = args[:9]
     signature = KernelSignature(
         [array_constraint(a) for a in arrays]
         + [ScalarConstraint(ct.float32)] * 2 + [ScalarConstraint(ct.int32)] * 2 + [args[-1]],
@@ -298,5 +308,6 @@ def quantize_meta(query, key, value) -> Fp8Inputs:
         torch.empty(batch, heads_q, seq_q, dtype=f32, device="meta"),
         torch.empty(batch, heads_kv, seq_kv, padded, dtype=e4m3, device="meta"),
         torch.empty(batch, heads_kv, seq_kv, dtype=f32, device="meta"),
+        torch.empty(batch, heads_q, seq_kv, dtype=f32, device="meta"),
         torch.empty(batch, heads_kv, dim, seq_kv + (-seq_kv % 16), dtype=e4m3, device="meta"),
         torch.empty(batch, heads_kv, dim, dtype=f32, device="meta"))

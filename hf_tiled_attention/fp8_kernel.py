@@ -1,13 +1,14 @@
 """The cuTile FP8 (e4m3) attention forward kernel: both products on the FP8 tensor cores.
 
 Its inputs come from :func:`hf_tiled_attention.fp8.quantize`: Q8, K8 ``(B, H, S, D)`` e4m3
-(rotated, K smoothed) with one fp32 scale per token (QScale, KScale ``(B, H, S)``), and V
-transposed, Vt8 ``(B, Hkv, D, Skv)`` e4m3, with one scale per channel (VScale ``(B, Hkv, D)``).
+(rotated, both less their means) with one fp32 scale per token (QScale, KScale ``(B, H, S)``),
+KBias ``(B, Hq, Skv)`` fp32, the scores' exact part ``mean(q) . k``, and V transposed, Vt8
+``(B, Hkv, D, Skv)`` e4m3, with one scale per channel (VScale ``(B, Hkv, D)``).
 FP8 MMAs want both operands K-major (contiguous along the summed dim): K8 is, for Q K^T; for
 P V the summed dim is the keys, hence V's transposed copy.
 
 One block (grid: query tiles x query heads x batch) computes one output tile with the online
-softmax of kernel.py. A score is ``q8 . k8 * q_scale * k_scale``; the probabilities (at most 1
+softmax of kernel.py. A score is ``q8 . k8 * q_scale * k_scale + k_bias``; the probabilities (at most 1
 after the running max is subtracted) are stored as e4m3 times 448, e4m3's largest value, so
 the accumulator holds ``448 * P V8``; V's channel scales and the 448 are applied once, to the
 output. Causal (query ``i`` at key position ``i + diag_offset``), windows, softcap and sinks
@@ -35,7 +36,7 @@ SINKS = 7
 FAST_ACC = 8   # the FP8 MMA's fast accumulation (fp8_mma_probe: e4m3 outruns bf16 only with it)
 
 
-def fp8_forward(Q8, QScale, K8, KScale, Vt8, VScale, Sinks, Out,
+def fp8_forward(Q8, QScale, K8, KScale, KBias, Vt8, VScale, Sinks, Out,
                 score_scale: float,   # scale * LOG2E, or scale / softcap with SOFTCAP
                 softcap_out: float,   # softcap * LOG2E with SOFTCAP
                 diag_offset: int,
@@ -68,8 +69,9 @@ def fp8_forward(Q8, QScale, K8, KScale, Vt8, VScale, Sinks, Out,
     l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
     state = (m_i, l_i, acc)
-    arrays = (K8, KScale, Vt8)
-    where = (q, q_scale, row_pos, cols, batch, kv_head, seq_kv, window, softcap_out)
+    arrays = (K8, KScale, KBias, Vt8)
+    where = (q, q_scale, row_pos, cols, batch, head, kv_head, seq_kv, window, score_scale,
+             softcap_out)
     for j in range(first, full_lo):
         state = _key_tile(j, state, arrays, where, True, C)
     for j in range(full_lo, full_hi):
@@ -99,8 +101,9 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     """One online-softmax step over key tile ``j``. ``EDGE``: the tile may hold keys some rows
     do not see (apply the causal/window rule and the sequence's end)."""
     m_i, l_i, acc = state
-    K8, KScale, Vt8 = arrays
-    q, q_scale, row_pos, cols, batch, kv_head, seq_kv, window, softcap_out = where
+    K8, KScale, KBias, Vt8 = arrays
+    q, q_scale, row_pos, cols, batch, head, kv_head, seq_kv, window, score_scale, \
+        softcap_out = where
     M = C[TILE_M]
     N = C[TILE_N]
     D = C[TILE_D]
@@ -110,7 +113,9 @@ def _key_tile(j, state, arrays, where, EDGE, C):
                       padding_mode=ct.PaddingMode.ZERO).reshape((1, N))
     qk = ct.mma(q, ct.transpose(k), ct.full((M, N), 0.0, dtype=ct.float32),
                 use_fast_acc=C[FAST_ACC])
-    s = qk * q_scale * k_scale
+    k_bias = ct.load(KBias, index=(batch, head, j), shape=(1, 1, N),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((1, N))
+    s = qk * q_scale * k_scale + k_bias * score_scale
     if C[SOFTCAP]:
         s = ct.tanh(s) * softcap_out
     if EDGE:

@@ -131,3 +131,13 @@ def test_kernel_compiles(arch, dim, kwargs):
     cubin = fp8.export_cubin(meta(1, 4, 1000, dim), meta(1, 2, 1000, dim),
                              meta(1, 2, 1000, dim), arch=arch, **kwargs)
     assert cubin[:4] == b"\x7fELF"
+
+
+def test_one_query_leaves_nothing_to_round_in_its_scores():
+    """Q less its mean: a decode step's single query is all in the exact bias mean(q) . k."""
+    q, k, v = inputs(batch=1, heads=(4, 2), seq=(1, 50))
+    x = fp8.quantize(q, k, v)
+    assert (x.q8.float() == 0).all()
+    k_smoothed = k.float() - k.float().mean(2, keepdim=True)
+    want = q.float() @ k_smoothed.repeat_interleave(2, 1).transpose(2, 3)
+    torch.testing.assert_close(x.k_bias, want[:, :, 0], rtol=1e-6, atol=1e-6)
