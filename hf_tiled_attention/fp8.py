@@ -31,7 +31,7 @@ import torch
 
 from .kernel_params import LOG2E
 from .memo import memoize
-from .schedule import fp8_tiles, head_dim_tile
+from .schedule import FP8_HINTS, fp8_tiles, head_dim_tile
 
 E4M3_MAX = 448.0
 ROTATION_SEED = 0
@@ -244,7 +244,10 @@ def launch_args(inputs: Fp8Inputs, out: torch.Tensor, is_causal: bool, scale: fl
     else:
         scalars = (scale * LOG2E, 0.0)
     sinks_arg = sinks.float() if sinks is not None else inputs.v_scale  # unread without SINKS
-    grid = (-(-seq_q // tile_m), heads_q, batch)
+    # Query tiles rounded up to whole clusters (a block past the rows stores nothing).
+    tiles = -(-seq_q // tile_m)
+    clusters = FP8_HINTS["num_ctas"]
+    grid = (-(-tiles // clusters) * clusters, heads_q, batch)
     arrays = (inputs.q8, inputs.q_scale, inputs.k8, inputs.k_scale, inputs.k_bias, inputs.vt8,
               inputs.v_scale, sinks_arg, out)
     return grid, arrays + scalars + (seq_kv - seq_q, int(window or 0), tuple(constants))
@@ -270,7 +273,6 @@ def _kernel():
     import cuda.tile as ct
 
     from .fp8_kernel import fp8_forward
-    from .schedule import FP8_HINTS
     return ct.kernel(fp8_forward, **FP8_HINTS)
 
 

@@ -42,10 +42,17 @@ def fp8_forward(Q8, QScale, K8, KScale, KBias, Vt8, VScale, Sinks, Out,
                 diag_offset: int,
                 window: int,
                 C: ct.Constant):
+    m_tile = ct.bid(0)
+    if m_tile * C[TILE_M] < Q8.shape[2]:  # the grid is rounded up to whole clusters
+        _output_tile(Q8, QScale, K8, KScale, KBias, Vt8, VScale, Sinks, Out, score_scale,
+                     softcap_out, diag_offset, window, m_tile, C)
+
+
+def _output_tile(Q8, QScale, K8, KScale, KBias, Vt8, VScale, Sinks, Out, score_scale,
+                 softcap_out, diag_offset, window, m_tile, C):
     M = C[TILE_M]
     N = C[TILE_N]
     D = C[TILE_D]
-    m_tile = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // C[GROUP]
