@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -114,7 +115,8 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
     if name == "bf16":
         bf = [t.bfloat16().float() for t in (q, k, v)]
         return attention(*bf, scale, round_p=lambda p: p.bfloat16().float())
-    options = name.split("+")[1:]
+    # The name's parts: "fp8-pv-vchan" -> fp8, pv, vchan; "fp8-token+rot+smooth" -> ... smooth.
+    options = re.split(r"[-+]", name)
     if "smooth" in options:  # q.(k - mean k) = q.k - q.mean k: the same for every key of a row
         k = k - k.mean(dim=1, keepdim=True)
     bias = None
@@ -124,16 +126,16 @@ def scheme_output(name: str, q, k, v, scale, block: int, rotation) -> torch.Tens
         q = q - q_mean
     if "rot" in options:
         q, k = q @ rotation, k @ rotation
-    rows = block if "block" in name else 1 if "token" in name else None
+    rows = block if "block" in options else 1 if "token" in options else None
     p_scale = torch.tensor(1.0 / E4M3_MAX)
-    if name.startswith("fp8-pv"):  # Q K^T in bf16
+    if "pv" in options:  # Q K^T in bf16
         q, k = q.bfloat16().float(), k.bfloat16().float()
     else:
         q, k = (e4m3(t, amax_scale(t, rows)) for t in (q, k))
-    if name.startswith("fp8-qk"):  # P @ V in bf16
+    if "qk" in options:  # P @ V in bf16
         return attention(q, k, v.bfloat16().float(), scale,
                          round_p=lambda p: p.bfloat16().float())
-    v_rows = 0 if "vchan" in name else block if rows == 1 else rows  # V per block at least
+    v_rows = 0 if "vchan" in options else block if rows == 1 else rows  # V per block at least
     v8 = e4m3(v, amax_scale(v, v_rows))
     return attention(q, k, v8, scale, round_p=lambda p: e4m3(p, p_scale), bias=bias)
 

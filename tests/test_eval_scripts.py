@@ -837,8 +837,8 @@ def test_fp8_rounding_and_rotation():
 def test_fp8_smoothing_of_k_and_channel_scales_of_v():
     """Subtracting K's mean leaves exact attention as it is (each row's scores shift by one
     constant) and, where K has a common offset, takes most of the FP8 rounding error of Q K^T
-    away; V's per-channel scales follow a channel 100x the others where one scale per block
-    rounds the small channels to nothing."""
+    away; Q's mean likewise; V's per-channel scales leave the other channels' scales as they
+    are when one channel is 100x the rest."""
     from eval.fp8_numerics import amax_scale, attention, scheme_output
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 128, 64, generator=g, dtype=torch.float64) for _ in range(3))
