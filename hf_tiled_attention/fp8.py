@@ -29,11 +29,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernel_params import LOG2E
+from .kernel_params import E4M3_MAX, LOG2E
 from .memo import memoize
 from .schedule import FP8_HINTS, fp8_tiles, head_dim_tile
 
-E4M3_MAX = 448.0
 ROTATION_SEED = 0
 _TINY = 1e-30  # the scale of an all-zero row (its e4m3 values are zeros either way)
 
@@ -66,10 +65,9 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
         raise ValueError("fp8_attention has no backward (it serves inference); train with "
                          "tiled_attention in bf16")
     from .op import kernel_available
-    if query.is_cuda and kernel_available(query.device):
-        inputs = quantize(query, key, value)
-        return _launch(inputs, query, is_causal, scale, window, softcap, sinks)
     inputs = quantize(query, key, value)
+    if query.is_cuda and kernel_available(query.device):
+        return _launch(inputs, query, is_causal, scale, window, softcap, sinks)
     return reference(inputs, query.shape[-1], is_causal, scale, window, softcap,
                      sinks).to(query.dtype)
 
@@ -78,16 +76,20 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
 # Quantisation (torch; the same on every device)
 # ---------------------------------------------------------------------------------------------
 
-@memoize(16)
-def rotation(dim: int, device: torch.device) -> torch.Tensor:
-    """The ``(dim, dim)`` fp32 orthogonal matrix Q and K are multiplied by: random signs (from
-    ROTATION_SEED) times the normalised Walsh-Hadamard matrix (``dim`` a power of two)."""
+def hadamard(dim: int, generator: torch.Generator) -> torch.Tensor:
+    """A random orthogonal ``(dim, dim)`` fp32 matrix: random signs (from ``generator``) times
+    the normalised Walsh-Hadamard matrix (``dim`` a power of two)."""
     h = torch.ones(1, 1)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    g = torch.Generator().manual_seed(ROTATION_SEED)
-    signs = torch.randint(0, 2, (dim,), generator=g).float() * 2 - 1
-    return (signs[:, None] * h / math.sqrt(dim)).to(device)
+    signs = torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
+    return signs[:, None] * h / math.sqrt(dim)
+
+
+@memoize(16)
+def rotation(dim: int, device: torch.device) -> torch.Tensor:
+    """The matrix Q and K are multiplied by: :func:`hadamard` drawn from ROTATION_SEED."""
+    return hadamard(dim, torch.Generator().manual_seed(ROTATION_SEED)).to(device)
 
 
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -287,7 +289,7 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
 
     from .launch import array_constraint
     scale = _check(query, key, value, scale, window, softcap, sinks)
-    inputs = quantize_meta(query, key, value)
+    inputs = quantize(query, key, value)  # on meta tensors: shapes, dtypes, strides
     out = torch.empty(query.shape, dtype=query.dtype, device="meta")
     _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
     arrays = args[:9]
@@ -299,17 +301,3 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
     export_kernel(_kernel(), [signature], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()
 
-
-def quantize_meta(query, key, value) -> Fp8Inputs:
-    """:func:`quantize`'s outputs as empty meta tensors (shapes, dtypes, strides)."""
-    (batch, heads_q, seq_q, dim), (_, heads_kv, seq_kv, _) = query.shape, key.shape
-    padded = head_dim_tile(dim)
-    e4m3, f32 = torch.float8_e4m3fn, torch.float32
-    return Fp8Inputs(
-        torch.empty(batch, heads_q, seq_q, padded, dtype=e4m3, device="meta"),
-        torch.empty(batch, heads_q, seq_q, dtype=f32, device="meta"),
-        torch.empty(batch, heads_kv, seq_kv, padded, dtype=e4m3, device="meta"),
-        torch.empty(batch, heads_kv, seq_kv, dtype=f32, device="meta"),
-        torch.empty(batch, heads_q, seq_kv, dtype=f32, device="meta"),
-        torch.empty(batch, heads_kv, dim, seq_kv + (-seq_kv % 16), dtype=e4m3, device="meta"),
-        torch.empty(batch, heads_kv, dim, dtype=f32, device="meta"))

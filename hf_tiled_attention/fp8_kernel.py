@@ -19,10 +19,9 @@ import math
 
 import cuda.tile as ct
 
-from .kernel_params import LOG2E
+from .kernel_params import E4M3_MAX, LOG2E
 from .visibility import key_tiles, visible
 
-E4M3_MAX = 448.0
 
 # The constants tuple C (fp8.py builds it).
 TILE_M = 0     # query rows per tile
