@@ -55,8 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, results_dir  # noqa: E402
+from hf_tiled_attention.fp8 import E4M3_MAX, hadamard, to_e4m3  # noqa: E402
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 COLUMNS = ["inputs", "scheme", "seq", "heads", "head_dim", "block", "max_abs", "rms", "rel_rms"]
 SCHEMES = ["bf16", "fp8-head", "fp8-block", "fp8-head+rot", "fp8-block+rot", "fp8-token+rot",
            "fp8-token+rot+smooth", "fp8-token+rot+smooth+vchan",
@@ -66,8 +66,7 @@ SCHEMES = ["bf16", "fp8-head", "fp8-block", "fp8-head+rot", "fp8-block+rot", "fp
 
 def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x`` stored as e4m3 with ``scale`` (x / scale rounded, saturating), read back in fp32."""
-    stored = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return stored.float() * scale
+    return to_e4m3(x, scale).float() * scale
 
 
 def amax_scale(x: torch.Tensor, block: int | None) -> torch.Tensor:
@@ -82,15 +81,6 @@ def amax_scale(x: torch.Tensor, block: int | None) -> torch.Tensor:
         blocks = x.reshape(heads, seq // block, block, dim).abs().amax(dim=(2, 3), keepdim=True)
         amax = blocks.expand(-1, -1, block, 1).reshape(heads, seq, 1)
     return amax.clamp_min(1e-12) / E4M3_MAX
-
-
-def hadamard(dim: int, generator: torch.Generator) -> torch.Tensor:
-    """A random orthogonal matrix: random signs times the normalised Walsh-Hadamard matrix."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
-    return signs[:, None] * h / math.sqrt(dim)
 
 
 def attention(q, k, v, scale, round_p=None, bias=None) -> torch.Tensor:

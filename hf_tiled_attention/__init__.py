@@ -7,6 +7,7 @@ import importlib.util as _importlib_util
 from .batch_sharding import ShardedBatch, shard_batch
 from .context_parallel import context_parallel  # (the function, over its module's name)
 from .determinism import deterministic, set_deterministic
+from .fp8 import fp8_attention
 from .memo import cache_sizes, clear_caches
 from .op import kernel_available, tiled_attention
 from .schedule import Schedule, default_schedule, use_schedule
@@ -16,11 +17,13 @@ from .sharded_attention import SequenceShards, sharded_attention
 
 if _importlib_util.find_spec("transformers") is not None:
     # Registers attn_implementation="tiled" (attention + mask function) on import.
+    from .fp8_backend import register_fp8
     from .serving import check_serving, flash_kernel
     from .transformers_backend import register
 
     try:
         register()
+        register_fp8()
     except Exception as _exc:  # an incompatible transformers must not break `import`
         import warnings as _warnings
 
@@ -32,7 +35,7 @@ else:
         raise ImportError("hf_tiled_attention.register needs the `transformers` package")
 
 __all__ = ["Schedule", "SequenceLayout", "SequenceShards", "ShardedBatch", "cache_sizes",
-           "clear_caches", "context_parallel", "default_schedule", "deterministic",
+           "clear_caches", "context_parallel", "default_schedule", "deterministic", "fp8_attention",
            "kernel_available", "register", "set_deterministic", "shard_batch",
            "sharded_attention", "tiled_attention", "use_schedule", "varlen_attention"]
 if _importlib_util.find_spec("transformers") is not None:

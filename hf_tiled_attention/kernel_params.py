@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
+E4M3_MAX = 448.0  # float8_e4m3fn's largest value (the FP8 kernel and its host side)
 
 # How a call's mask reaches the kernel (AttentionConstants.MASK_KIND).
 NO_MASK = 0

@@ -665,7 +665,8 @@ def array_constraint(tensor: torch.Tensor):
 
     ct_dtypes = {torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
                  torch.float32: ct.float32, torch.uint8: ct.uint8, torch.int8: ct.int8,
-                 torch.int16: ct.int16, torch.int32: ct.int32, torch.int64: ct.int64}
+                 torch.int16: ct.int16, torch.int32: ct.int32, torch.int64: ct.int64,
+                 torch.float8_e4m3fn: ct.float8_e4m3fn, torch.float8_e5m2: ct.float8_e5m2}
     size = tensor.element_size()
     return ArrayConstraint(
         ct_dtypes[tensor.dtype], tensor.dim(), index_dtype=ct.int32,

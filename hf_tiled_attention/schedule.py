@@ -481,3 +481,14 @@ def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]
     if max_seqlen_q * g_tile <= 16:
         return (16, 64) if paged else (16, 128)
     return 128, 64
+
+
+# The FP8 forward (fp8_kernel.py). Compiler hints: fp8_mma_probe measured e4m3 products past
+# bf16's rate only with one block per SM in clusters of two (1009 TF/s; 42-99 without).
+FP8_HINTS = {"occupancy": 1, "num_ctas": 2}
+
+
+def fp8_tiles(head_dim: int) -> tuple[int, int]:
+    """(query rows, keys) per tile of the FP8 forward; the keys per tile also set where its CPU
+    twin (fp8.reference) rounds the probabilities, so both read this."""
+    return (128, 128) if head_dim <= 128 else (128, 64)
