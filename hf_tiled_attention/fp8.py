@@ -248,7 +248,7 @@ def launch_args(inputs: Fp8Inputs, out: torch.Tensor, is_causal: bool, scale: fl
     sinks_arg = sinks.float() if sinks is not None else inputs.v_scale  # unread without SINKS
     # Query tiles rounded up to whole clusters (a block past the rows stores nothing).
     tiles = -(-seq_q // tile_m)
-    clusters = FP8_HINTS["num_ctas"]
+    clusters = FP8_HINTS.get("num_ctas", 1)
     grid = (-(-tiles // clusters) * clusters, heads_q, batch)
     arrays = (inputs.q8, inputs.q_scale, inputs.k8, inputs.k_scale, inputs.k_bias, inputs.vt8,
               inputs.v_scale, sinks_arg, out)

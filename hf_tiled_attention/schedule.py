@@ -483,9 +483,11 @@ def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]
     return 128, 64
 
 
-# The FP8 forward (fp8_kernel.py). Compiler hints: fp8_mma_probe measured e4m3 products past
-# bf16's rate only with one block per SM in clusters of two (1009 TF/s; 42-99 without).
-FP8_HINTS = {"occupancy": 1, "num_ctas": 2}
+# The FP8 forward (fp8_kernel.py). Compiler hints: one block per SM (a 128-row tile with two
+# fp32 accumulators takes its registers). No clusters: with num_ctas=2 the kernel stops with
+# "misaligned address" on the H200 (cuTile 1.7; the same body runs correctly without them,
+# perf-notes step 53), although fp8_mma_probe's plain GEMM ran fastest in clusters of two.
+FP8_HINTS = {"occupancy": 1}
 
 
 def fp8_tiles(head_dim: int) -> tuple[int, int]:
