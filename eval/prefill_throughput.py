@@ -1,8 +1,12 @@
-"""Prefill throughput of whole models: `tiled` against `sdpa` and `eager`.
+"""Prefill throughput of whole models: `tiled` (and `tiled_fp8`) against `sdpa` and `eager`.
 
     python eval/prefill_throughput.py                              # Llama-3-8B and Mistral-7B shapes
     python eval/prefill_throughput.py --shapes llama3-8b --seq 2048 8192 32768 --layers 8
     python eval/prefill_throughput.py --model /path/to/model --seq 4096 --pad-fraction 0.25
+    python eval/prefill_throughput.py --backends tiled_fp8 tiled sdpa --seq 8192 16384 32768
+
+`tiled_fp8` (FP8 attention) runs in bf16/fp16 only (a CPU run in fp32 leaves it out unless
+``--dtype bf16``), and a padded batch, which it refuses, is recorded as `unsupported`.
 
 Models are built from configs with random weights (no download); each backend's model gets its
 own config object. Reports tokens/s (median of repeats, CUDA events), latency and peak GPU memory;
@@ -24,7 +28,8 @@ from eval.common import ResultsWriter, label_lengths, results_dir, save_figure  
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
-BACKENDS = ["tiled", "sdpa", "eager"]
+BACKENDS = ["tiled", "tiled_fp8", "sdpa", "eager"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLUMNS = ["model", "layers", "backend", "batch", "seq", "pad_fraction", "tokens_per_s", "ms",
            "peak_gib", "status", "reason"]
 
@@ -94,11 +99,16 @@ def main(argv=None) -> int:
     parser.add_argument("--pad-fraction", type=float, nargs="+", default=[0.0],
                         help="left-pad up to this fraction of each row (0 = no padding)")
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="default bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     on_gpu, device, dtype = model_device("prefill")
+    dtype = DTYPES[args.dtype] if args.dtype else dtype
+    if dtype == torch.float32:  # FP8 attention quantises 16-bit activations only
+        args.backends = [b for b in args.backends if b != "tiled_fp8"]
     shapes = args.shapes if args.shapes is not None else (
         ["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     seqs = args.seq or ([512, 2048, 8192, 16384, 32768] if on_gpu else [64, 256])
@@ -126,6 +136,11 @@ def main(argv=None) -> int:
                                        tokens_per_s=f"{batch * seq / ms * 1e3:.0f}")
                         except torch.cuda.OutOfMemoryError as exc:
                             row.update(status="oom", reason=str(exc).splitlines()[0][:120])
+                        except ValueError as exc:  # a call the backend refuses (FP8: padding)
+                            if backend != "tiled_fp8":
+                                raise
+                            row.update(status="unsupported",
+                                       reason=str(exc).splitlines()[0][:120])
                         results.add(row)
                         print(" ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
                         if on_gpu:

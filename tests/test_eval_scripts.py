@@ -89,6 +89,26 @@ def test_prefill_cpu(tmp_path):
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
 
 
+def test_prefill_fp8_rows_cpu(tmp_path):
+    """FP8 attention's prefill rows (its CPU twin, bf16): a padded batch, which it refuses, is
+    recorded as unsupported with the reason; in fp32 it is left out."""
+    from eval import prefill_throughput
+    assert prefill_throughput.main(["--shapes", "tiny-llama", "--layers", "2", "--seq", "32",
+                                    "--pad-fraction", "0", "0.25", "--batch", "2", "--reps", "1",
+                                    "--warmup", "0", "--dtype", "bf16", "--backends",
+                                    "tiled_fp8", "sdpa", "--out", str(tmp_path)]) == 0
+    rows = {(r["backend"], r["pad_fraction"]): r for r in read_csv(tmp_path / "prefill.csv")}
+    assert rows[("tiled_fp8", "0.0")]["status"] == "ok"
+    assert float(rows[("tiled_fp8", "0.0")]["tokens_per_s"]) > 0
+    refused = rows[("tiled_fp8", "0.25")]
+    assert refused["status"] == "unsupported" and "tiled" in refused["reason"]
+    assert rows[("sdpa", "0.25")]["status"] == "ok"
+    assert prefill_throughput.main(["--shapes", "tiny-llama", "--layers", "2", "--seq", "32",
+                                    "--reps", "1", "--warmup", "0", "--backends", "tiled_fp8",
+                                    "sdpa", "--out", str(tmp_path / "fp32")]) == 0
+    assert {r["backend"] for r in read_csv(tmp_path / "fp32" / "prefill.csv")} == {"sdpa"}
+
+
 def test_generate_cpu(tmp_path):
     from eval import generate_throughput
     # (48 new tokens, a warm-up and 3 reps, the prefill their median: a full run must outlast
