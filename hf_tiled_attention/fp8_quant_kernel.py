@@ -29,7 +29,8 @@ GROUP = 2     # quantize_rows: query heads per key head whose bias rows to write
 TINY = 1e-30  # the scale of an all-zero row, as fp8._TINY
 
 
-def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct.Constant):
+def _token_tile(X, C):
+    """(tile, head, batch, this block's (T, D) fp32 tile of X), rows past the end zeros."""
     T = C[TILE_T]
     D = C[TILE_D]
     tile = ct.bid(0)
@@ -37,9 +38,20 @@ def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct
     batch = ct.bid(2)
     x = ct.load(X, index=(batch, head, tile, 0), shape=(1, 1, T, D),
                 padding_mode=ct.PaddingMode.ZERO).reshape((T, D)).astype(ct.float32)
-    mean = ct.load(Mean, index=(batch, head, 0), shape=(1, 1, D),
+    return tile, head, batch, x
+
+
+def _channels(Stat, batch, head, D):
+    """A ``(B, H, D)`` statistic's row as a (1, D) tile, padded channels zero."""
+    return ct.load(Stat, index=(batch, head, 0), shape=(1, 1, D),
                    padding_mode=ct.PaddingMode.ZERO).reshape((1, D))
-    centred = x - mean
+
+
+def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct.Constant):
+    T = C[TILE_T]
+    D = C[TILE_D]
+    tile, head, batch, x = _token_tile(X, C)
+    centred = x - _channels(Mean, batch, head, D)
     high = centred.astype(ct.bfloat16)
     low = (centred - high.astype(ct.float32)).astype(ct.bfloat16)
     rot = ct.load(Rot, index=(0, 0), shape=(D, D))
@@ -59,22 +71,15 @@ def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct
         # mean(q) . k for query head head * GROUP + g: the part of its scores Q's rounding
         # leaves out, from the unrotated fp32 row (the rotation does not change a dot product)
         q_head = head * C[GROUP] + g
-        q_mean = ct.load(QMean, index=(batch, q_head, 0), shape=(1, 1, D),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((1, D))
-        bias = ct.sum(centred * q_mean, axis=-1)
+        bias = ct.sum(centred * _channels(QMean, batch, q_head, D), axis=-1)
         ct.store(Bias, index=(batch, q_head, tile), tile=bias.reshape((1, 1, T)))
 
 
 def quantize_values(V, VScale, Vt8, C: ct.Constant):
     T = C[TILE_T]
     D = C[TILE_D]
-    tile = ct.bid(0)
-    head = ct.bid(1)
-    batch = ct.bid(2)
-    v = ct.load(V, index=(batch, head, tile, 0), shape=(1, 1, T, D),
-                padding_mode=ct.PaddingMode.ZERO).reshape((T, D)).astype(ct.float32)
-    scale = ct.load(VScale, index=(batch, head, 0), shape=(1, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((1, D))
+    tile, head, batch, v = _token_tile(V, C)
+    scale = _channels(VScale, batch, head, D)
     inverse = ct.where(scale == 0.0, 0.0, 1.0 / scale)  # 0: the padded channels
     v8 = ct.minimum(ct.maximum(v * inverse, -E4M3_MAX), E4M3_MAX).astype(ct.float8_e4m3fn)
     ct.store(Vt8, index=(batch, head, 0, tile), tile=ct.transpose(v8).reshape((1, 1, D, T)))
