@@ -1,7 +1,8 @@
 """FP8 (e4m3) attention: an opt-in forward, bf16/fp16 in and out, both matrix products on the
 FP8 tensor cores (fp8_kernel.py), and its CPU twin that rounds exactly as the kernel does.
 
-How the inputs become e4m3 (:func:`quantize`), chosen with eval/fp8_numerics.py (perplexity of
+How the inputs become e4m3 (:func:`quantize`: fp8_quant_kernel.py on a GPU, torch ops
+elsewhere, :func:`quantize_torch`), chosen with eval/fp8_numerics.py (perplexity of
 SmolLM2-135M with each scheme as its attention; results in eval/results/fp8-numerics/):
 
 * Q and K are multiplied by one random orthogonal matrix (random signs times a normalised
@@ -31,7 +32,7 @@ import torch
 
 from .kernel_params import E4M3_MAX, LOG2E
 from .memo import memoize
-from .schedule import FP8_HINTS, fp8_tiles, head_dim_tile
+from .schedule import FP8_HINTS, fp8_quant_tokens, fp8_tiles, head_dim_tile
 
 ROTATION_SEED = 0
 _TINY = 1e-30  # the scale of an all-zero row (its e4m3 values are zeros either way)
@@ -92,6 +93,13 @@ def rotation(dim: int, device: torch.device) -> torch.Tensor:
     return hadamard(dim, torch.Generator().manual_seed(ROTATION_SEED)).to(device)
 
 
+@memoize(16)
+def rotation_signs(dim: int, device: torch.device) -> torch.Tensor:
+    """:func:`rotation` times sqrt(dim): its +-1 pattern, exact in bf16 (the MMA operand of
+    fp8_quant_kernel.py, which applies the 1/sqrt(dim) in fp32)."""
+    return (rotation(dim, device) * math.sqrt(dim)).round().to(torch.bfloat16)
+
+
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` rounded to e4m3 (nearest even, saturating at 448)."""
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -103,7 +111,17 @@ def _token_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Fp8Inputs:
-    """The e4m3 copies and scales of the module docstring (fp32 math on 16-bit inputs)."""
+    """The e4m3 copies and scales of the module docstring: on a GPU with the kernels, one pass
+    of fp8_quant_kernel.py after three torch reductions; elsewhere (CPU, meta tensors)
+    :func:`quantize_torch`, the definition the kernels are tested against."""
+    from .op import kernel_available
+    if query.is_cuda and kernel_available(query.device):
+        return _quantize_on_device(query, key, value)
+    return quantize_torch(query, key, value)
+
+
+def quantize_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Fp8Inputs:
+    """:func:`quantize` in torch ops (fp32 math on 16-bit inputs)."""
     dim = query.shape[-1]
     padded = head_dim_tile(dim)
     rot = rotation(padded, query.device)
@@ -124,6 +142,70 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Fp8
     vt8 = to_e4m3(vt, v_scale[..., None])
     return Fp8Inputs(q8, q_scale, k8, k_scale, k_bias.reshape(batch, heads_q, seq_kv), vt8,
                      v_scale)
+
+
+def _quantize_on_device(query, key, value) -> Fp8Inputs:
+    import cuda.tile as ct
+
+    from .launch import launch_device
+    stats = sequence_statistics(query, key, value)
+    outputs = quantized_outputs(query, key, value)
+    stream = torch.cuda.current_stream(query.device).cuda_stream
+    with launch_device(query.device):
+        for kernel, grid, args in quantize_launches(query, key, value, stats, outputs):
+            ct.launch(stream, grid, kernel, args)
+    return outputs._replace(v_scale=stats[2])
+
+
+def sequence_statistics(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Q's mean, K's mean, V's per-channel scale) over the sequence, ``(B, H, D)`` fp32: each
+    one torch reduction reading the 16-bit input once (no fp32 copy)."""
+    v_amax = torch.maximum(value.amax(2), value.amin(2).neg()).float()
+    return (query.mean(2, dtype=torch.float32), key.mean(2, dtype=torch.float32),
+            v_amax.clamp_min(_TINY) / E4M3_MAX)
+
+
+def quantized_outputs(query, key, value) -> Fp8Inputs:
+    """The kernels' output tensors, unwritten (``v_scale``: a placeholder)."""
+    (batch, heads_q, seq_q, dim), (heads_kv, seq_kv) = query.shape, key.shape[1:3]
+    padded = head_dim_tile(dim)
+    f32, e4m3 = dict(dtype=torch.float32, device=query.device), \
+        dict(dtype=torch.float8_e4m3fn, device=query.device)
+    return Fp8Inputs(
+        torch.empty(batch, heads_q, seq_q, padded, **e4m3), torch.empty(batch, heads_q, seq_q, **f32),
+        torch.empty(batch, heads_kv, seq_kv, padded, **e4m3),
+        torch.empty(batch, heads_kv, seq_kv, **f32), torch.empty(batch, heads_q, seq_kv, **f32),
+        torch.empty(batch, heads_kv, dim, seq_kv + -seq_kv % 16, **e4m3),
+        torch.empty(batch, heads_kv, dim, **f32))
+
+
+def quantize_launches(query, key, value, stats, outputs: Fp8Inputs) -> list[tuple]:
+    """``(kernel, grid, arguments)`` of fp8_quant_kernel.py's three launches (Q's rows, K's
+    rows with the bias, V): one block per tile of tokens of one head."""
+    from . import fp8_quant_kernel as K
+    q_mean, k_mean, v_scale = stats
+    batch, heads_q, seq_q, dim = query.shape
+    heads_kv, seq_kv = key.shape[1], key.shape[2]
+    padded = head_dim_tile(dim)
+    tokens = fp8_quant_tokens(dim)
+    signs = rotation_signs(padded, query.device)
+    inv_sqrt = 1.0 / math.sqrt(padded)
+
+    def constants(group):
+        c = [0] * 3
+        c[K.TILE_T], c[K.TILE_D], c[K.GROUP] = tokens, padded, group
+        return tuple(c)
+    o = outputs
+    return [
+        # Q writes no bias rows (GROUP 0): its QMean and Bias arguments are placeholders
+        (K.quantize_rows_kernel, (-(-seq_q // tokens), heads_q, batch),
+         (query, q_mean, signs, o.q8, o.q_scale, q_mean, o.q_scale, inv_sqrt, constants(0))),
+        (K.quantize_rows_kernel, (-(-seq_kv // tokens), heads_kv, batch),
+         (key, k_mean, signs, o.k8, o.k_scale, q_mean, o.k_bias, inv_sqrt,
+          constants(heads_q // heads_kv))),
+        (K.quantize_values_kernel, (-(-seq_kv // tokens), heads_kv, batch),
+         (value, v_scale, o.vt8, constants(0))),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +362,28 @@ def _kernel():
 
 def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, window=None,
                  softcap=None, sinks=None) -> bytes:
-    """The kernel's cubin for these arguments (meta tensors are fine), built without a GPU."""
+    """The attention kernel's cubin for these arguments (meta tensors are fine), built without
+    a GPU."""
+    scale = _check(query, key, value, scale, window, softcap, sinks)
+    inputs = quantize_torch(query, key, value)  # on meta tensors: shapes, dtypes, strides
+    out = torch.empty(query.shape, dtype=query.dtype, device="meta")
+    _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
+    return _export(_kernel(), args, arch)
+
+
+def export_quantize_cubins(query, key, value, *, arch: str) -> list[bytes]:
+    """The quantisation kernels' cubins, one per launch (Q, K, V), for these arguments (meta
+    tensors are fine), built without a GPU."""
+    _check(query, key, value, None, None, None, None)
+    stats = sequence_statistics(query, key, value)
+    outputs = quantized_outputs(query, key, value)
+    return [_export(kernel, args, arch)
+            for kernel, _, args in quantize_launches(query, key, value, stats, outputs)]
+
+
+def _export(kernel, args: tuple, arch: str) -> bytes:
+    """One kernel's cubin for a launch's arguments: tensors as launches see them, Python floats
+    as fp32 and ints as int32 scalars, the constants tuple last."""
     import io
 
     import cuda.tile as ct
@@ -288,16 +391,10 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
                                        export_kernel)
 
     from .launch import array_constraint
-    scale = _check(query, key, value, scale, window, softcap, sinks)
-    inputs = quantize(query, key, value)  # on meta tensors: shapes, dtypes, strides
-    out = torch.empty(query.shape, dtype=query.dtype, device="meta")
-    _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
-    arrays = args[:9]
-    signature = KernelSignature(
-        [array_constraint(a) for a in arrays]
-        + [ScalarConstraint(ct.float32)] * 2 + [ScalarConstraint(ct.int32)] * 2 + [args[-1]],
-        CallingConvention.cutile_python_v2())
+    scalar = {float: ScalarConstraint(ct.float32), int: ScalarConstraint(ct.int32)}
+    constraints = [array_constraint(a) if isinstance(a, torch.Tensor) else scalar[type(a)]
+                   for a in args[:-1]]
+    signature = KernelSignature(constraints + [args[-1]], CallingConvention.cutile_python_v2())
     buffer = io.BytesIO()
-    export_kernel(_kernel(), [signature], buffer, gpu_code=arch, output_format="cubin")
+    export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()
-

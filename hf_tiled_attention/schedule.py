@@ -490,6 +490,14 @@ def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]
 FP8_HINTS = {"occupancy": 1, "num_ctas": 1, "num_worker_warps": 8}
 
 
+def fp8_quant_tokens(head_dim: int) -> int:
+    """Tokens per block of the FP8 quantisation kernels (fp8_quant_kernel.py): 128 at head dims
+    up to 64, else 64 (a block holds its tile in fp32 beside the rotated copy; sm_90 cubins: K's
+    block spills them at 128 x 128, and some at 64 x 256; 32 tokens leave the warpgroup MMA,
+    whose tiles start at 64 rows, and spill far more)."""
+    return 128 if head_dim <= 64 else 64
+
+
 def fp8_tiles(head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the FP8 forward; the keys per tile also set where its CPU
     twin (fp8.reference) rounds the probabilities, so both read this."""

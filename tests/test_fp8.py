@@ -75,6 +75,24 @@ def test_quantisation():
     assert (x.vt8.float()[..., 300:] == 0).all()
 
 
+def test_the_quantisation_kernels_inputs_match_the_torch_definition():
+    """What fp8_quant_kernel.py is handed and writes: the sequence statistics equal the torch
+    quantisation's (means and V's scale), its output tensors have the definition's shapes,
+    dtypes and layouts, and the rotation's +-1 pattern is exact."""
+    q, k, v = inputs(dim=80, heads=(4, 2))
+    want = fp8.quantize_torch(q, k, v)
+    q_mean, k_mean, v_scale = fp8.sequence_statistics(q, k, v)
+    torch.testing.assert_close(q_mean, q.float().mean(2), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(k_mean, k.float().mean(2), rtol=1e-6, atol=1e-7)
+    assert torch.equal(v_scale, want.v_scale)
+    for got, ref in zip(fp8.quantized_outputs(q, k, v), want):
+        assert (got.shape, got.dtype, got.stride()) == (ref.shape, ref.dtype, ref.stride())
+    signs = fp8.rotation_signs(128, torch.device("cpu"))
+    assert signs.dtype == torch.bfloat16 and set(signs.float().unique().tolist()) == {-1.0, 1.0}
+    torch.testing.assert_close(signs.float() / 128 ** 0.5, fp8.rotation(128, torch.device("cpu")),
+                               rtol=0, atol=1e-7)
+
+
 def test_probabilities_rounded_against_the_running_max():
     """The twin rounds P per key tile as the kernel does: with keys over several tiles it
     differs from rounding once against the final max, by FP8's step, not more."""
@@ -141,3 +159,19 @@ def test_one_query_leaves_nothing_to_round_in_its_scores():
     k_smoothed = k.float() - k.float().mean(2, keepdim=True)
     want = q.float() @ k_smoothed.repeat_interleave(2, 1).transpose(2, 3)
     torch.testing.assert_close(x.k_bias, want[:, :, 0], rtol=1e-6, atol=1e-6)
+
+
+QUANT_CUBIN_CASES = [("sm_90", 64), ("sm_90", 80), ("sm_90", 128), ("sm_90", 256),
+                     ("sm_100", 128), ("sm_120", 128)]
+
+
+@pytest.mark.parametrize("arch, dim", QUANT_CUBIN_CASES,
+                         ids=[f"{a}-d{d}" for a, d in QUANT_CUBIN_CASES])
+def test_quantisation_kernels_compile(arch, dim):
+    pytest.importorskip("cuda.tile.compilation")
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+    cubins = fp8.export_quantize_cubins(meta(1, 8, 1000, dim), meta(1, 2, 1000, dim),
+                                        meta(1, 2, 1000, dim), arch=arch)
+    assert len(cubins) == 3 and all(c[:4] == b"\x7fELF" for c in cubins)

@@ -55,3 +55,32 @@ def test_heads_dtypes_and_odd_lengths(heads, dtype):
     out = fp8_attention(q, k, v, is_causal=True)
     assert out.dtype == dtype
     assert rel_rms(out.cpu(), definition(q.cpu(), k.cpu(), v.cpu(), is_causal=True)) < 0.06
+
+
+@pytest.mark.parametrize("dim, heads, seq", [(64, (8, 2), (300, 700)), (80, (4, 4), (129, 129)),
+                                             (128, (28, 4), (1000, 1000)),
+                                             (256, (8, 1), (77, 513))], ids=str)
+def test_quantisation_kernels_match_the_torch_definition(dim, heads, seq):
+    """fp8_quant_kernel.py against fp8.quantize_torch on the same inputs (Q a strided view, as
+    transformers passes it), poisoned outputs: scales and the bias to about fp32 rounding, e4m3
+    values equal but for a rare neighbour (the kernel multiplies by a reciprocal where torch
+    divides, and rotates two bf16 parts of each value)."""
+    _fp8_gpu()
+    q, k, v = (t.cuda() for t in inputs(batch=2, heads=heads, seq=seq, dim=dim))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory
+    want = fp8.quantize_torch(q, k, v)
+    poison_allocator(q.numel() * 8)
+    got = fp8.quantize(q, k, v)
+    torch.cuda.synchronize()
+    for name in ("q_scale", "k_scale", "k_bias", "v_scale"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        # the rotation's two bf16 parts hold each value to about 2**-18
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5, msg=name)
+    for name in ("q8", "k8", "vt8"):
+        a, b = getattr(got, name).float(), getattr(want, name).float()
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        differ = a != b
+        assert differ.float().mean() < 1e-3, (name, differ.float().mean().item())
+        # a neighbour: one e4m3 step (1/8 of the value's binade) at most
+        assert ((a - b).abs() <= 0.125 * torch.maximum(a.abs(), b.abs()) + 2 ** -9)[differ].all()
