@@ -34,8 +34,9 @@ visibility rule, a bool/additive mask or a mask_mod (``_mask_mod``, replaced per
 launcher as in kernel.py). A score_mod runs here only when it adds terms to its score
 (ALiBi, bias tables: derivative 1) or when mod_derivative derived its derivative in the
 score (``_score_mod_grad``, which multiplies dS). When the tensors it reads need gradients,
-the dK/dV kernel adds them (``_score_mod_capture_grad``, by atomics: not in deterministic
-mode); any other score_mod's backward runs the reference path (op.backward).
+the dK/dV kernel adds them (``_score_mod_capture_grad``, by atomics; in deterministic mode
+each block into its own row, summed by torch in a fixed order); any other score_mod's backward
+runs the reference path (op.backward).
 """
 
 import math
@@ -60,11 +61,11 @@ def _score_mod_grad(score, b, h, q_idx, kv_idx, captures):
     return score * 0.0 + 1.0
 
 
-def _score_mod_capture_grad(p, ds, score, b, h, q_idx, kv_idx, captures, LEARNABLE):
+def _score_mod_capture_grad(p, ds, score, b, h, q_idx, kv_idx, captures, LEARNABLE, PARTIALS):
     """Stand-in for the score_mod's capture-gradient adds (mod_translator
     .capture_grad_entries; replaced per mod by the launcher): adds ``ds`` times the mod's
     derivative in each learnable captured tensor into its gradient array, which ``captures``
-    holds after the tensors."""
+    holds after the tensors (``PARTIALS``: into this block's row of it)."""
     return ds
 
 
@@ -187,7 +188,7 @@ def _key_tile_step(i, grads, rows, where, arrays, scalars, EDGE, C):
             # have p > 0 and dS != 0: their weight is 0 here, or they add to the captures
             seen_p = ct.where(kv_idx < scalars[0], p, 0.0)
             _score_mod_capture_grad(seen_p, ds, unmodified, batch, head, q_idx, kv_idx,
-                                    Captures, C[P.CAPTURE_GRADS])
+                                    Captures, C[P.CAPTURE_GRADS], C[P.CAPTURE_PARTIALS])
         ds = _through_softcap(ds, tanh, C)
         if C[P.SCORE_MOD_GRAD]:
             ds = _through_score_mod(ds, p, unmodified, batch, head, q_idx, kv_idx, Captures)

@@ -91,6 +91,7 @@ def backward_plan(dtype: torch.dtype, group: int, head_dim: int, options: CallOp
             LOAD_TRANSPOSED=schedule.load_transposed,
             MASK_GRAD=mask_grad_mode if in_kv_kernel else NO_MASK_GRAD,
             DQ_ADD=dq_add and in_kv_kernel, CAPTURE_GRADS=capture_grads if in_kv_kernel else 0,
+            CAPTURE_PARTIALS=bool(deterministic and capture_grads and in_kv_kernel),
             TABLE_ORDER=schedule.table_order and masked and layout.per_row,
             EDGE_STATES=schedule.edge_states, PDL=schedule.pdl,
             UNCHECKED=schedule.unchecked_loads)
@@ -132,8 +133,9 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
     dK/dV kernel adds into; with ``plan.kv.MASK_GRAD`` ``d_mask`` is the fp32 array it adds the
     mask's gradient into (see :func:`mask_grad_buffer`), else None; with
     ``plan.kv.CAPTURE_GRADS`` ``d_captures`` has per captured tensor of the score_mod the
-    zeroed fp32 array the kernel adds its gradient into (its bit set), else a placeholder it
-    never reads (without, it is empty).
+    zeroed fp32 array the kernel adds its gradient into (its bit set; with
+    ``plan.kv.CAPTURE_PARTIALS`` a row of the tensor's shape per block of the dK/dV grid, to be
+    summed over dim 0), else a placeholder it never reads (without, it is empty).
     ``keep``: the mask's block tables may be kept for later calls (its forward table for the
     dQ kernel is the forward's when the tiles agree)."""
     device = query.device
@@ -167,18 +169,20 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                                                      transposed=True))
         q_mask = (tensor,) + tuple(mask.block_table(sched.q_rows, sched.q_keys, keep))
     captures = () if plan.mods is None else plan.mods.kernel_captures()
+    heads_kv, seq_kv = key.shape[1], key.shape[2]
+    kv_grid = (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch)
+    rows_per_block = (math.prod(kv_grid),) if plan.kv.CAPTURE_PARTIALS else ()
     d_captures = () if not plan.kv.CAPTURE_GRADS else tuple(
-        torch.zeros(t.shape, dtype=torch.float32, device=device)
+        torch.zeros(rows_per_block + t.shape, dtype=torch.float32, device=device)
         if plan.kv.CAPTURE_GRADS >> slot & 1 else unused_4d for slot, t in enumerate(captures))
     scalars = (plan.score_scale, plan.softcap_out, plan.grad_scale, int(diag_offset),
                int(window))
-    heads_kv, seq_kv = key.shape[1], key.shape[2]
     kv_args = ((query, key, value, grad_out, lse_b, delta, dk, dv,
                 dq if plan.kv.DQ_ADD else unused_4d, unused_4d if d_mask is None else d_mask)
                + kv_mask + (captures + d_captures,) + scalars)
     q_args = (query, key, value, grad_out, lse_b, delta, dq) + q_mask + (captures,) + scalars
     grids = ((math.ceil(rows / rows_tile), heads_q, batch),
-             (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch),
+             kv_grid,
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
     return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask, d_captures)
 
@@ -208,6 +212,22 @@ def mask_grad_buffer(mask_shape: tuple, query_shape: tuple, tile_m: int, determi
     mask_rows, seq_kv = mask_shape[2:]
     rows = mask_rows if mask_rows > 1 else math.ceil(seq_q / tile_m)
     return torch.zeros((batch, heads_q, rows, seq_kv), dtype=torch.float32, device=device)
+
+
+# Deterministic mode's per-block rows of the learnable captures' gradients (CAPTURE_PARTIALS)
+# take up to this much memory; beyond (a captured tensor as large as the scores, say) the
+# backward runs the reference path (op.backward).
+CAPTURE_PARTIALS_MAX_BYTES = 256 << 20
+
+
+def capture_partials_fit(query: torch.Tensor, key: torch.Tensor, captures: Sequence,
+                         learnable: Sequence[bool]) -> bool:
+    """Whether deterministic mode's per-block gradient rows (a row of each learnable capture's
+    shape per block of the dK/dV grid, fp32) fit CAPTURE_PARTIALS_MAX_BYTES."""
+    schedule = backward_schedule(query.shape[-1])
+    blocks = math.ceil(key.shape[2] / schedule.kv_keys) * key.shape[1] * key.shape[0]
+    values = sum(t.numel() for t, flag in zip(captures, learnable) if flag)
+    return 4 * blocks * values <= CAPTURE_PARTIALS_MAX_BYTES
 
 
 def summed_mask_grad(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -251,9 +271,10 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     dq, dk, dv, d_mask, d_captures = grads
     if plan.kv.DQ_ADD:
         dq = dq.to(query.dtype)
-    learned = [grad.to(t.dtype) for grad, t, flag in
-               zip(d_captures, () if options.mods is None else options.mods.captures,
-                   learnable) if flag]
+    # (CAPTURE_PARTIALS: the blocks' rows, summed by torch in a fixed order)
+    learned = [(grad.sum(0) if plan.kv.CAPTURE_PARTIALS else grad).to(t.dtype)
+               for grad, t, flag in zip(d_captures, () if options.mods is None
+                                        else options.mods.captures, learnable) if flag]
     return ([dq, dk, dv] + ([] if d_mask is None else [summed_mask_grad(d_mask, mask.tensor)])
             + learned)
 

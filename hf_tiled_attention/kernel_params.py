@@ -88,6 +88,8 @@ class AttentionConstants(NamedTuple):
     CAPTURE_GRADS: int  # backward's dK/dV kernel: a bit per captured tensor of the score_mod
                         # whose gradient it adds into an array its capture tuple holds after
                         # the tensors (mod_translator.capture_grad_entries); 0: none
+    CAPTURE_PARTIALS: bool  # those arrays have one row per block of the dK/dV grid, which
+                            # only that block adds into (deterministic mode; torch sums them)
     TABLE_ORDER: bool   # backward, a mask with a row per query: block i takes the table's row
                         # RANGE_ORDER of row i (longest walk first)
     EDGE_STATES: bool   # backward, a mask with a row per query: an edge step reads its tile's

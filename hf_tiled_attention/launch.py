@@ -267,7 +267,8 @@ def kernel_variant(dtype: torch.dtype, group: int, head_dim: int, options: CallO
         FOLD_SCALE=options.softcap is None and score_unit == LOG2E and score_scale > 0,
         WRITE_LSE=write_lse, HEAVY_FIRST=bool(options.causal and schedule.heavy_first),
         K_LATENCY=schedule.k_latency, V_LATENCY=schedule.v_latency, LOAD_TRANSPOSED=False,
-        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, TABLE_ORDER=False,
+        MASK_GRAD=NO_MASK_GRAD, DQ_ADD=False, CAPTURE_GRADS=0, CAPTURE_PARTIALS=False,
+        TABLE_ORDER=False,
         EDGE_STATES=True, PDL=False, UNCHECKED=False)
     return KernelVariant(
         constants=constants, occupancy=occupancy, num_ctas=schedule.num_ctas,

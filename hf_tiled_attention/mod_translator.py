@@ -127,7 +127,9 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
     Every read of ``t[index]`` (a gather) is one term, differentiated by mod_derivative with the
     read as the variable. cuTile's adds by atomics into fp32 arrays, in the dK/dV kernel's
     orientation (keys x queries: a term whose index reads no query, or no key, is summed over
-    that axis first; one that reads neither, over the whole tile); the torch twin by
+    that axis first; one that reads neither, over the whole tile), with ``PARTIALS`` each
+    block into its own row of an array with a leading dim per block of the dK/dV grid
+    (deterministic mode: torch sums the rows); the torch twin by
     ``index_put_(accumulate=True)``. Nothing when the mod's body is not plain assignments, it
     reads no float tensor or a rule is missing (its backward then runs the reference path)."""
     floats = {slot for slot, t in enumerate(translator.captures) if t.is_floating_point()}
@@ -158,9 +160,14 @@ def capture_grad_entries(translator: "Translator", name: str) -> list[str]:
             slots.append(slot)
         if not body:
             return []
+        partials = "" if torch_twin else ", PARTIALS"
         grad = ast.parse(f"def {definition.name}_capture_grad(p, ds, {', '.join(params)}, "
-                         f"{CAPTURES}, LEARNABLE):\n    pass").body[0]
-        grad.body = [stmt for term in body for stmt in ast.parse(term).body] + [
+                         f"{CAPTURES}, LEARNABLE{partials}):\n    pass").body[0]
+        # this block's row of the per-block arrays (PARTIALS): its index in the dK/dV grid
+        block = [] if torch_twin else ast.parse(
+            "_blk = ct.bid(0) + ct.num_blocks(0) * (ct.bid(1) + ct.num_blocks(1) * ct.bid(2))"
+        ).body
+        grad.body = block + [stmt for term in body for stmt in ast.parse(term).body] + [
             ast.Return(ast.Name("ds", ast.Load()))]
         texts.append(ast.unparse(ast.fix_missing_locations(grad)) + "\n")
     return texts + [f"score_mod_capture_grad = {name}_capture_grad",
@@ -203,6 +210,8 @@ def _add_term(slot: int, target: int, derived: ast.expr, index: list, reads: lis
         return "\n".join(lines)
     reads_query, reads_key = (any(item[axis] for item in reads) for axis in (0, 1))
     varying = [i for i, item in enumerate(reads) if any(item)]
+    # With PARTIALS the array has a row per block (_blk), which only this block adds into, in
+    # the order of its loop: the sums repeat bit for bit (op.backward's deterministic mode).
     add = "ct.atomic_add({}[{}], ({{}}), {{}}, memory_order=ct.MemoryOrder.RELAXED)".format(
         CAPTURES, target)
     if reads_query and reads_key and len(varying) == 1:
@@ -213,13 +222,18 @@ def _add_term(slot: int, target: int, derived: ast.expr, index: list, reads: lis
         at = varying[0]
         buckets, with_i = ([*index[:at], ast.Name(name, ast.Load()), *index[at + 1:]]
                            for name in ("_b", "_i"))
+        # With PARTIALS every span goes index by index (per-score atomics that meet on one
+        # address add in any order).
+        tile_sum = "ct.sum(ct.where(_i == _b, _g, 0.0))"
         lines += [f"    _i = {ast.unparse(index[at])}",
                   "    _lo = ct.min(ct.where(p > 0.0, _i, 2147483647))",
                   "    _hi = ct.max(ct.where(p > 0.0, _i, -1))",
-                  f"    if _hi - _lo < {GRAD_BUCKET_SPAN}:",
+                  "    if PARTIALS:",
                   "        for _b in range(_lo, _hi + 1):",
-                  "            " + add.format(_index_text(buckets),
-                                            "ct.sum(ct.where(_i == _b, _g, 0.0))"),
+                  "            " + add.format("_blk, " + _index_text(buckets), tile_sum),
+                  f"    elif _hi - _lo < {GRAD_BUCKET_SPAN}:",
+                  "        for _b in range(_lo, _hi + 1):",
+                  "            " + add.format(_index_text(buckets), tile_sum),
                   "    else:",
                   "        " + add.format(_index_text(with_i), "_g")]
         return "\n".join(lines)
@@ -229,7 +243,8 @@ def _add_term(slot: int, target: int, derived: ast.expr, index: list, reads: lis
         lines.append("    _g = ct.sum(_g, axis=0, keepdims=True)")
     elif not reads_query:
         lines.append("    _g = ct.sum(_g, axis=1, keepdims=True)")
-    lines.append("    " + add.format(items, "_g"))
+    lines += ["    if PARTIALS:", "        " + add.format("_blk, " + items, "_g"),
+              "    else:", "        " + add.format(items, "_g")]
     return "\n".join(lines)
 
 

@@ -569,8 +569,9 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     reference backward elsewhere and for a score_mod the kernels cannot run: one whose
     derivative in the score mod_derivative cannot derive, or that reads a tensor that requires
     grad (``learnable[i]`` flags ``options.mods.captures[i]``) whose gradient the kernels
-    cannot add (mod_translator.capture_grad_entries), or any learnable tensor in deterministic
-    mode (the kernels add its gradient by atomics); there the derivative is a vector-Jacobian
+    cannot add (mod_translator.capture_grad_entries), or in deterministic mode learnable
+    tensors whose per-block gradient rows would not fit
+    (backward_launch.capture_partials_fit); there the derivative is a vector-Jacobian
     product of the mod's torch twin, which also gives the learnable tensors' gradients. Returns
     ``[dq, dk, dv]``, then with ``mask_grad`` the gradient of the additive mask's compact
     tensor (in its dtype), then the learnable captures'. ``options`` and ``mask``: the forward
@@ -581,12 +582,16 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     has_score_mod = mods is not None and mods.score_mod is not None
     # The kernels run a score_mod whose derivative in the score is 1 or was derived
     # (mod_derivative), and add the gradients of the tensors it reads that they can
-    # (capture_grad_slots; not in deterministic mode: atomics); any other goes to the
-    # reference path.
+    # (capture_grad_slots; in deterministic mode each block into its own rows, where they
+    # fit); any other goes to the reference path.
     learned = [slot for slot, flag in enumerate(learnable) if flag]
     kernels_can = not has_score_mod or (mods.score_mod_differentiable
                                         and set(learned) <= set(mods.capture_grad_slots))
-    on_kernels = kernels_can and not (learned and deterministic())
+    rows_fit = True
+    if learned and deterministic():
+        from .backward_launch import capture_partials_fit
+        rows_fit = capture_partials_fit(query, key, mods.captures, learnable)
+    on_kernels = kernels_can and rows_fit
     if on_kernels and query.numel() and kernel_available(query.device):
         from .backward_launch import run_backward
         return run_backward(grad_out, query, key, value, out, lse, grad_lse, mask, options,
@@ -603,8 +608,9 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
 
 @memoize(64)
 def _warn_score_mod_backward_once(names: str, deterministic_mode: bool = False) -> None:
-    why = ("in deterministic mode the kernels do not add a learnable captured tensor's "
-           "gradient (they would add it by atomics, in any order)" if deterministic_mode else
+    why = ("in deterministic mode the kernels add a learnable captured tensor's gradient "
+           "into a copy per block of the grid, and these would take more than "
+           "backward_launch.CAPTURE_PARTIALS_MAX_BYTES" if deterministic_mode else
            "the kernels run a score_mod whose derivative in the score they can derive (one "
            "expression of + - * /, where, tanh, exp, log, ... of the score, captured tensors "
            "read by index)")

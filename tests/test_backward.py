@@ -206,15 +206,21 @@ def _square(x):
 
 
 @pytest.mark.parametrize("mod, learnable, deterministic, on_kernels", [
-    ("alibi", False, False, True), ("alibi", True, False, True), ("alibi", True, True, False),
-    ("softcap", False, False, True), ("helper", False, False, False)],
-    ids=["alibi", "alibi-learnable", "alibi-learnable-deterministic", "softcap", "helper"])
+    ("alibi", False, False, True), ("alibi", True, False, True), ("alibi", True, True, True),
+    ("alibi", True, "no room", False), ("softcap", False, False, True),
+    ("helper", False, False, False)],
+    ids=["alibi", "alibi-learnable", "alibi-learnable-deterministic",
+         "alibi-learnable-deterministic-no-room", "softcap", "helper"])
 def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on_kernels):
     """With a GPU: an additive score_mod (ALiBi) and one with a derived derivative (tanh
     softcap) run their backward on the kernels, learnable slopes too (the dK/dV kernel adds
-    their gradient), except in deterministic mode; a mod that calls another function on its
-    score (no derivative rule) runs the reference path. Launches stubbed."""
+    their gradient; in deterministic mode into a row per block, unless those rows would take
+    more than CAPTURE_PARTIALS_MAX_BYTES); a mod that calls another function on its score (no
+    derivative rule) runs the reference path. Launches stubbed."""
     from hf_tiled_attention import backward_launch, op
+
+    if deterministic == "no room":
+        monkeypatch.setattr(backward_launch, "CAPTURE_PARTIALS_MAX_BYTES", 4 * 4 - 1)
 
     calls = []
 
@@ -233,13 +239,59 @@ def test_score_mod_backward_route(monkeypatch, mod, learnable, deterministic, on
     out, lse = op.reference_attention(q, k, k, None, causal=True, scale=0.25, window=None,
                                       softcap=None, diag_offset=0)
     compiled = hta.mods.compile_mods(score_mod, None)
-    monkeypatch.setattr(op, "deterministic", lambda: deterministic)
+    monkeypatch.setattr(op, "deterministic", lambda: bool(deterministic))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the reference path's, on "a GPU"
         op.backward(torch.ones_like(q), q, k, k, out, lse, None, None,
                     call_options(None, causal=True, scale=0.25, mods=compiled),
                     learnable=[learnable] * len(compiled.captures))
     assert len(calls) == (1 if on_kernels else 0)
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_learnable_capture_rows_per_block_in_deterministic_mode(monkeypatch, mode):
+    """The launcher with cuTile's launch stubbed: in deterministic mode the dK/dV kernel gets,
+    for a learnable capture, a zeroed fp32 array with a row per block of its grid (key tiles x
+    kv heads x batch) and CAPTURE_PARTIALS, and the gradient returned is the rows' sum in the
+    capture's shape and dtype; in the fast mode one array of the capture's shape."""
+    import cuda.tile as ct
+
+    from hf_tiled_attention import backward_launch
+    from hf_tiled_attention.schedule import backward_schedule
+
+    launches = []
+
+    def launch(stream, grid, kernel, args, programmatic_dependent_launch=False):
+        launches.append((grid, args))
+        if len(launches) == 2 and args[-1][P.CAPTURE_PARTIALS]:
+            args[-7][1][3, 2] = 1.0   # block 3's row: slope 2
+            args[-7][1][5, 2] = 0.5
+    monkeypatch.setattr(ct, "launch", launch)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
+    slopes = torch.rand(4, dtype=torch.bfloat16)
+    mods = hta.mods.compile_mods(hta.variants.alibi(slopes), None)
+    q = torch.randn(2, 4, 300, 32, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 300, 32, dtype=torch.bfloat16)
+    out = torch.randn(q.shape, dtype=torch.bfloat16)
+    hta.set_deterministic(mode == "deterministic")
+    try:
+        grads = backward_launch.run_backward(
+            out, q, k, k, out, torch.randn(q.shape[:3]), None, None,
+            call_options(None, causal=True, scale=0.2, mods=mods), learnable=[True])
+    finally:
+        hta.set_deterministic(None)
+    (kv_grid, kv_args) = launches[1]
+    rows, constants = kv_args[-7][1], kv_args[-1]
+    assert kv_grid == (math.ceil(300 / backward_schedule(32).kv_keys), 2, 2)
+    assert constants[P.CAPTURE_GRADS] == 1
+    assert constants[P.CAPTURE_PARTIALS] is (mode == "deterministic")
+    assert grads[3].shape == slopes.shape and grads[3].dtype == torch.bfloat16
+    if mode == "deterministic":
+        assert rows.shape == (math.prod(kv_grid), 4) and rows.dtype == torch.float32
+        assert grads[3].tolist() == [0.0, 0.0, 1.5, 0.0]
+    else:
+        assert rows.shape == (4,)
 
 
 @pytest.mark.parametrize("case", MASK_GRAD_CASES, ids=lambda c: c.name)

@@ -69,6 +69,7 @@ def _cubins(arch, dtype, head_dim, causal=True, window=64, softcap=30.0, mask="b
     plan = backward_plan(dtype, HQ // HKV, head_dim, options, schedule, mask_grad, not dq_add,
                          capture_grads)
     assert plan.kv.DQ_ADD is dq_add and (plan.kv.MASK_GRAD != 0) is mask_grad
+    assert plan.kv.CAPTURE_PARTIALS is (learn_captures and not dq_add)
     if score_mod is not None:  # a score_mod that is not additive brings its derivative
         assert plan.kv.SCORE_MOD_GRAD is plan.q.SCORE_MOD_GRAD is not mods.score_mod_additive
     return export_backward_cubins(plan, q, k, compact, arch=arch, window=window or 0)
@@ -115,10 +116,14 @@ CASES = [pytest.param("sm_90", torch.bfloat16, d, {}, id=f"sm_90-bf16-d{d}-all")
     pytest.param("sm_90", torch.bfloat16, 64, dict(window=None, softcap=None, mask=None,
                                                    dq_add=True), id="sm_90-dq_add"),
     # learnable captures: the dK/dV kernel adds their gradients (per-head sums, a gathered
-    # table's per-element atomics)
+    # table's per-index sums or per-score atomics); deterministic (not dq_add): each block into
+    # its own rows
     pytest.param("sm_90", torch.bfloat16, 128, dict(
         window=None, softcap=None, mask=None, score_mod=_learnable_mod, learn_captures=True),
         id="sm_90-learnable_captures"),
+    pytest.param("sm_90", torch.bfloat16, 128, dict(
+        window=None, softcap=None, mask=None, score_mod=_learnable_mod, learn_captures=True,
+        dq_add=True), id="sm_90-learnable_captures-fast"),
     # loads without bounds checks (rows padded to whole tiles): a per-row mask's edge states,
     # a key mask's one state per key tile, two head-dim parts
     pytest.param("sm_90", torch.bfloat16, 96, dict(unchecked_loads=True),

@@ -134,13 +134,16 @@ def test_derived_score_mods_train_on_the_kernels(dtype):
                     mask_mod=V.document_mask((torch.arange(300) // 77).cuda()))
 
 
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_learnable_score_mod_on_the_kernels(dtype):
+def test_learnable_score_mod_on_the_kernels(dtype, mode):
     """A score_mod that reads tensors which require grad trains on the kernels: the dK/dV
     kernel adds their gradients by atomics (a relative-position table per element, per-head
     slopes summed per tile first, a T5 bucket table per entry and tile; the T5 case is not
     causal and its lengths are not whole tiles, so the last key tile's rows past seq_kv are
-    walked and must add nothing). No reference-path warning."""
+    walked and must add nothing). In deterministic mode each block adds into its own rows
+    (CAPTURE_PARTIALS), which torch sums: the gradients repeat bit for bit. No reference-path
+    warning."""
     case = Case(seq_q=120, seq_kv=150, causal=True, heads_q=8, heads_kv=2)
     table = torch.randn(300, device="cuda").requires_grad_()
     slopes = (torch.rand(8, device="cuda") * 0.2).requires_grad_()
@@ -153,27 +156,38 @@ def test_learnable_score_mod_on_the_kernels(dtype):
     t5_table = (torch.randn(32, 8, device="cuda") * 0.5).requires_grad_()
     t5_bias = hta.variants.relative_position_bias(
         t5_table, hta.variants.relative_position_buckets(120, 150, max_distance=64).cuda(), 120)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check_grads(case, dtype, score_mod=bias, learnable=(table, slopes))
-        check_grads(replace(case, causal=False), dtype, score_mod=t5_bias,
-                    learnable=(t5_table,))
+    runs = ((case, bias, (table, slopes)), (replace(case, causal=False), t5_bias, (t5_table,)))
+    hta.set_deterministic(mode == "deterministic")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for run_case, mod, learnable in runs:
+                check_grads(run_case, dtype, score_mod=mod, learnable=learnable)
+                if mode == "deterministic":
+                    first, second = (op_and_definition_grads(
+                        run_case, "cuda", dtype, score_mod=mod, learnable=learnable)[0]
+                        for _ in range(2))
+                    assert all(torch.equal(first[name], second[name]) for name in first)
+    finally:
+        hta.set_deterministic(None)
     assert not [w for w in caught if "reference path" in str(w.message)]
 
 
-def test_learnable_score_mod_in_deterministic_mode():
-    """Deterministic mode: the learnable tensors' gradients come from the reference path
-    (the kernels would add them in any order), with a warning that says so."""
+def test_learnable_score_mod_in_deterministic_mode_without_room(monkeypatch):
+    """Where the per-block rows would pass CAPTURE_PARTIALS_MAX_BYTES, the gradients come from
+    the reference path, with a warning that says so."""
+    from hf_tiled_attention import backward_launch
+    monkeypatch.setattr(backward_launch, "CAPTURE_PARTIALS_MAX_BYTES", 1024)
     case = Case(seq_q=120, seq_kv=120, causal=True)
     table = torch.randn(240, device="cuda").requires_grad_()
 
-    def deterministic_bias(score, b, h, q_idx, kv_idx):  # (its own name: the warning is once)
+    def roomless_bias(score, b, h, q_idx, kv_idx):  # (its own name: the warning is once)
         return score + table[q_idx - kv_idx + 120]
 
     hta.set_deterministic(True)
     try:
         with pytest.warns(RuntimeWarning, match="deterministic mode"):
-            check_grads(case, torch.float32, score_mod=deterministic_bias, learnable=(table,))
+            check_grads(case, torch.float32, score_mod=roomless_bias, learnable=(table,))
     finally:
         hta.set_deterministic(None)
 

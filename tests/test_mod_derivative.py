@@ -1,6 +1,8 @@
 """CPU: a score_mod's derivative in its score (mod_derivative), as the backward kernels run it,
 against torch autograd of the mod itself; and which score_mods get one."""
 
+import math
+
 import pytest
 import torch
 
@@ -164,6 +166,15 @@ class _TorchTiles:
     class MemoryOrder:
         RELAXED = "relaxed"
 
+    block = (0, 0, 0)   # the block being run, and the grid (set by the test)
+    grid = (1, 1, 1)
+
+    def bid(self, axis):
+        return self.block[axis]
+
+    def num_blocks(self, axis):
+        return self.grid[axis]
+
     @staticmethod
     def where(cond, x, y):
         x, y = torch.as_tensor(x), torch.as_tensor(y)
@@ -208,20 +219,24 @@ def learnable_wide_table(score, b, h, q_idx, kv_idx):
     return score + wide_table[wide_buckets[q_idx, kv_idx], h]
 
 
+@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
 @pytest.mark.parametrize("score_mod", [learnable_t5_bias, learnable_wide_table,
                                        learnable_everything], ids=lambda f: f.__name__)
-def test_kernel_capture_adds_equal_their_twin(score_mod):
+def test_kernel_capture_adds_equal_their_twin(score_mod, partials):
     """The cuTile text of the capture-gradient adds (the dK/dV kernel's: tiles of keys x
     queries, b and h scalars), run with torch standing in for cuTile over tiles of 4 keys x 3
     queries, adds what the torch twin adds over the whole grid: the bucket table's per-index
-    tile sums (spans up to 32) and its per-score adds (wider spans) included."""
+    tile sums (spans up to 32) and its per-score adds (wider spans) included. With
+    ``partials`` (deterministic mode) each block (key tile, head, batch) adds only into its own
+    row, index by index at any span, and the rows sum to the twin's."""
     import types
     compiled = compile_mods(score_mod, None)
     captures, slots = compiled.captures, compiled.capture_grad_slots
     kernel_fn = compiled.module.score_mod_capture_grad
     assert "for _b in range(_lo, _hi + 1)" in open(compiled.path).read()
-    kernel_fn = types.FunctionType(kernel_fn.__code__, {**kernel_fn.__globals__,
-                                                        "ct": _TorchTiles()})
+    tiles = _TorchTiles()
+    tiles.grid = (-(-SKV // 4), H, B)
+    kernel_fn = types.FunctionType(kernel_fn.__code__, {**kernel_fn.__globals__, "ct": tiles})
     score, b, h, q, kv = grid()
     gen = torch.Generator().manual_seed(2)
     ds = torch.randn(score.shape, generator=gen, dtype=torch.float64)
@@ -229,22 +244,31 @@ def test_kernel_capture_adds_equal_their_twin(score_mod):
     bits = sum(1 << s for s in slots)
     want = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
     compiled.capture_grad_twin()(p, ds, score, b, h, q, kv, want, bits)
-    got = [torch.zeros(t.shape, dtype=torch.float64) for t in captures]
+    rows = (math.prod(tiles.grid),) if partials else ()
+    got = [torch.zeros(rows + t.shape, dtype=torch.float64) for t in captures]
     spans = set()
     for bi in range(B):
         for hi in range(H):
             for k0 in range(0, SKV, 4):
+                tiles.block = (k0 // 4, hi, bi)
+                row = k0 // 4 + tiles.grid[0] * (hi + H * bi)
+                before = [g.clone() for g in got]
                 for q0 in range(0, SQ, 3):
                     keys = torch.arange(k0, min(k0 + 4, SKV))[:, None]     # axis 0: keys
                     queries = torch.arange(q0, min(q0 + 3, SQ))[None, :]   # axis 1: queries
                     tile = (bi, hi, queries, keys)
                     kernel_fn(p[tile], ds[tile], score[tile], bi, hi, queries, keys,
-                              captures + tuple(got), bits)
+                              captures + tuple(got), bits, partials)
                     if score_mod is learnable_wide_table:
                         seen = wide_buckets[queries, keys][p[tile] > 0]
                         spans.add(bool(len(seen)) and int(seen.max() - seen.min()) >= 32)
+                if partials:  # this block's adds landed in its row only
+                    for slot in slots:
+                        changed = (got[slot] != before[slot]).flatten(1).any(1).nonzero()
+                        assert changed.flatten().tolist() in ([], [row])
     for slot in slots:
-        torch.testing.assert_close(got[slot], want[slot], rtol=1e-9, atol=1e-9)
+        total = got[slot].sum(0) if partials else got[slot]
+        torch.testing.assert_close(total, want[slot], rtol=1e-9, atol=1e-9)
     if score_mod is learnable_wide_table:
         assert spans == {False, True}  # both branches ran
 
