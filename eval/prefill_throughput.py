@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, label_lengths, results_dir, save_figure  # noqa: E402
+from eval.common import (DTYPES, ResultsWriter, label_lengths, results_dir,  # noqa: E402
+                         save_figure)
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
 
 BACKENDS = ["tiled", "tiled_fp8", "sdpa", "eager"]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLUMNS = ["model", "layers", "backend", "batch", "seq", "pad_fraction", "tokens_per_s", "ms",
            "peak_gib", "status", "reason"]
 

@@ -352,8 +352,8 @@ def _launch(inputs: Fp8Inputs, query: torch.Tensor, is_causal, scale, window, so
 
 @memoize(1)
 def _kernel():
-    """The kernel with the FP8 MMA's hints (fp8_mma_probe: e4m3 outran bf16 only with one
-    block per SM in clusters of two)."""
+    """The kernel with its compiler hints (schedule.FP8_HINTS: one block per SM, 8 worker
+    warps, no clusters)."""
     import cuda.tile as ct
 
     from .fp8_kernel import fp8_forward
