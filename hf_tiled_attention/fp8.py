@@ -30,7 +30,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .checks import check_inputs, check_options, check_sinks
 from .kernel_params import E4M3_MAX, LOG2E
+from .launch import scaled_scores
 from .memo import memoize
 from .schedule import FP8_HINTS, fp8_quant_tokens, fp8_tiles, head_dim_tile
 
@@ -61,7 +63,7 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     to 256; ``is_causal`` bottom-right aligned; ``window``, ``softcap``, ``sinks`` ``(Hq,)``.
     On a GPU with FP8 tensor cores (sm_89 and newer) the kernel runs; on the CPU the same
     rounding is emulated tile by tile (:func:`reference`)."""
-    scale = _check(query, key, value, scale, window, softcap, sinks)
+    scale = _check(query, key, value, is_causal, scale, window, softcap, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise ValueError("fp8_attention has no backward (it serves inference); train with "
                          "tiled_attention in bf16")
@@ -226,7 +228,7 @@ def reference(inputs: Fp8Inputs, head_dim: int, is_causal: bool, scale: float,
     k = k8.float().repeat_interleave(group, 1)
     ks = k_scale.repeat_interleave(group, 1)
     v = vt8.float()[..., :seq_kv].transpose(2, 3).repeat_interleave(group, 1)
-    score_scale = scale / softcap if softcap else scale * LOG2E
+    score_scale, softcap_out = scaled_scores(scale, softcap, LOG2E)
     qs = q_scale[..., None] * score_scale
     pos = torch.arange(seq_q, device=q.device)[:, None] + (seq_kv - seq_q)
     m = torch.full((batch, heads_q, seq_q, 1), -math.inf, device=q.device)
@@ -237,7 +239,7 @@ def reference(inputs: Fp8Inputs, head_dim: int, is_causal: bool, scale: float,
         s = (q @ k[:, :, lo:hi].transpose(2, 3)) * qs * ks[:, :, None, lo:hi] + \
             k_bias[:, :, None, lo:hi] * score_scale
         if softcap:
-            s = torch.tanh(s) * (softcap * LOG2E)
+            s = torch.tanh(s) * softcap_out
         keys = torch.arange(lo, hi, device=q.device)[None, :]
         seen = torch.ones_like(s, dtype=torch.bool)
         if is_causal:
@@ -269,39 +271,20 @@ def reference(inputs: Fp8Inputs, head_dim: int, is_causal: bool, scale: float,
 # Checks and the launch
 # ---------------------------------------------------------------------------------------------
 
-def _check(query, key, value, scale, window, softcap, sinks) -> float:
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"fp8_attention: {name} must be a 4-D tensor (B, H, S, D), got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"fp8_attention: {name} must be bfloat16 or float16 (FP8 attention "
-                             f"quantises 16-bit inputs; fp32 would lose its precision "
-                             f"silently: use tiled_attention), got {t.dtype}")
-        if t.device != query.device:
-            raise ValueError(f"fp8_attention: {name} is on {t.device}, query on {query.device}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError("fp8_attention: query, key and value must share one dtype, got "
-                         f"{query.dtype}, {key.dtype}, {value.dtype}")
-    (batch, heads_q, _, dim), (kb, heads_kv, seq_kv, kd) = query.shape, key.shape
-    if (kb, kd) != (batch, dim) or value.shape != key.shape:
-        raise ValueError(f"fp8_attention: key and value must be (B, Hkv, Skv, D) = "
-                         f"({batch}, Hkv, Skv, {dim}) alike, got {tuple(key.shape)} and "
-                         f"{tuple(value.shape)}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"fp8_attention: query heads ({heads_q}) must be a multiple of key "
-                         f"heads ({heads_kv})")
-    if dim % 16 or not 16 <= dim <= 256:
+def _check(query, key, value, is_causal, scale, window, softcap, sinks) -> float:
+    """The op's checks (checks.py), then FP8's own: 16-bit inputs, head dims whose e4m3 rows
+    are whole 16-byte units, FP8 tensor cores. Returns the scale."""
+    check_inputs(query, key, value)
+    check_options(is_causal, scale, window, softcap, None, False)
+    check_sinks(sinks, query)
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_attention: query, key and value must be bfloat16 or float16 (FP8 "
+                         f"attention quantises 16-bit inputs; fp32 would lose its precision "
+                         f"silently: use tiled_attention), got {query.dtype}")
+    dim = query.shape[-1]
+    if dim % 16:
         raise ValueError(f"fp8_attention: head dim must be a multiple of 16 from 16 to 256 (an "
                          f"e4m3 row a whole number of 16-byte units), got {dim}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
-        raise ValueError(f"fp8_attention: window must be a positive int or None, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"fp8_attention: softcap must be > 0 or None, got {softcap!r}")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (heads_q,)):
-        raise ValueError(f"fp8_attention: sinks must be a tensor of shape ({heads_q},), got "
-                         f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(query.device)
         raise ValueError(f"fp8_attention needs FP8 tensor cores (sm_89 or newer); "
@@ -323,10 +306,7 @@ def launch_args(inputs: Fp8Inputs, out: torch.Tensor, is_causal: bool, scale: fl
     constants[K.CAUSAL], constants[K.WINDOWED] = bool(is_causal), window is not None
     constants[K.SOFTCAP], constants[K.SINKS] = softcap is not None, sinks is not None
     constants[K.FAST_ACC] = True
-    if softcap is not None:
-        scalars = (scale / softcap, softcap * LOG2E)
-    else:
-        scalars = (scale * LOG2E, 0.0)
+    scalars = scaled_scores(scale, softcap, LOG2E)
     sinks_arg = sinks.float() if sinks is not None else inputs.v_scale  # unread without SINKS
     # Query tiles rounded up to whole clusters (a block past the rows stores nothing).
     tiles = -(-seq_q // tile_m)
@@ -364,7 +344,7 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
                  softcap=None, sinks=None) -> bytes:
     """The attention kernel's cubin for these arguments (meta tensors are fine), built without
     a GPU."""
-    scale = _check(query, key, value, scale, window, softcap, sinks)
+    scale = _check(query, key, value, is_causal, scale, window, softcap, sinks)
     inputs = quantize_torch(query, key, value)  # on meta tensors: shapes, dtypes, strides
     out = torch.empty(query.shape, dtype=query.dtype, device="meta")
     _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
@@ -374,7 +354,7 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
 def export_quantize_cubins(query, key, value, *, arch: str) -> list[bytes]:
     """The quantisation kernels' cubins, one per launch (Q, K, V), for these arguments (meta
     tensors are fine), built without a GPU."""
-    _check(query, key, value, None, None, None, None)
+    _check(query, key, value, False, None, None, None, None)
     stats = sequence_statistics(query, key, value)
     outputs = quantized_outputs(query, key, value)
     return [_export(kernel, args, arch)

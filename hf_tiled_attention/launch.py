@@ -222,10 +222,15 @@ def score_scalars(options: CallOptions) -> tuple[float, float, float]:
     A score_mod sees natural-unit scores, as in FlexAttention. Otherwise log2 units."""
     additive = options.mask_layout is not None and options.mask_layout.kind == ADDITIVE_MASK
     unit = 1.0 if additive or options.has_score_mod else LOG2E
-    scale, softcap = options.scale, options.softcap
+    return (unit,) + scaled_scores(options.scale, options.softcap, unit)
+
+
+def scaled_scores(scale: float, softcap: Optional[float], unit: float) -> tuple[float, float]:
+    """``(score_scale, softcap_out)``: what a kernel multiplies ``q . k`` by, and with a softcap
+    its ``softcap * tanh(...)`` factor, both in ``unit``s (LOG2E: scores for exp2)."""
     if softcap is not None:
-        return unit, scale / softcap, softcap * unit
-    return unit, scale * unit, 0.0
+        return scale / softcap, softcap * unit
+    return scale * unit, 0.0
 
 
 def kernel_constants(options: CallOptions, dtype: torch.dtype, head_dim: int,

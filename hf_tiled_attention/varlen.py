@@ -22,6 +22,7 @@ import torch
 
 from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
+from .launch import scaled_scores
 from .memo import memoize
 from .schedule import head_dim_tile, varlen_tiles
 
@@ -106,11 +107,7 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
               _rows_of_16(cu_seqlens_q), _rows_of_16(cu_seqlens_k),
               sinks.float() if sinks is not None else _no_sinks(query.device),
               out.unflatten(1, (heads, g_tile)))
-    if softcap is not None:
-        scalars = (scale / softcap, softcap * LOG2E)
-    else:
-        scalars = (scale * LOG2E, 0.0)
-    scalars += (int(window) if window is not None else 0,)
+    scalars = scaled_scores(scale, softcap, LOG2E) + (int(window) if window is not None else 0,)
     short_rows = varlen_tiles(1, g_tile, False)[0] // g_tile  # a decode tile's positions
     result = []
     for low, high in ((0, short_rows), (short_rows, max(max_seqlen_q, short_rows))):

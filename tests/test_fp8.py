@@ -108,13 +108,14 @@ def test_probabilities_rounded_against_the_running_max():
     assert 0 < (twin - once).abs().max() < 0.05
 
 
+# FP8's own checks, then the op's (checks.py), which fp8_attention runs first
 ERRORS = [
     (dict(dtype=torch.float32), "bfloat16 or float16"),
     (dict(dim=72), "multiple of 16"),
-    (dict(heads=(3, 2)), "multiple of key heads"),
-    (dict(window=0), "window must be a positive int"),
-    (dict(softcap=-1.0), "softcap must be > 0"),
-    (dict(sinks=torch.zeros(3)), r"sinks must be a tensor of shape \(4,\)"),
+    (dict(heads=(3, 2)), r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+    (dict(window=0), "window must be >= 1"),
+    (dict(softcap=-1.0), "softcap must be a finite number > 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must have shape \(Hq,\) = \(4,\)"),
 ]
 
 
@@ -134,7 +135,8 @@ def test_no_backward():
 
 
 CUBIN_CASES = [("sm_90", 128, dict(is_causal=True)), ("sm_90", 64, {}),
-               ("sm_90", 256, dict(window=100, softcap=30.0, sinks=torch.zeros(4))),
+               ("sm_90", 256, dict(window=100, softcap=30.0,
+                                   sinks=torch.zeros(4, device="meta"))),  # on the query's device
                ("sm_90", 80, dict(is_causal=True)),
                ("sm_100", 128, dict(is_causal=True)), ("sm_120", 128, dict(is_causal=True))]
 
