@@ -169,8 +169,7 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
                                                      transposed=True))
         q_mask = (tensor,) + tuple(mask.block_table(sched.q_rows, sched.q_keys, keep))
     captures = () if plan.mods is None else plan.mods.kernel_captures()
-    heads_kv, seq_kv = key.shape[1], key.shape[2]
-    kv_grid = (math.ceil(seq_kv / plan.kv.TILE_N), heads_kv, batch)
+    kv_grid = kv_kernel_grid(key, plan.kv.TILE_N)
     rows_per_block = (math.prod(kv_grid),) if plan.kv.CAPTURE_PARTIALS else ()
     d_captures = () if not plan.kv.CAPTURE_GRADS else tuple(
         torch.zeros(rows_per_block + t.shape, dtype=torch.float32, device=device)
@@ -185,6 +184,12 @@ def backward_arrays(plan: BackwardPlan, grad_out: torch.Tensor, query: torch.Ten
              kv_grid,
              (math.ceil(seq_q / plan.q.TILE_M), heads_q, batch))
     return rows_args, kv_args, q_args, grids, (dq, dk, dv, d_mask, d_captures)
+
+
+def kv_kernel_grid(key: torch.Tensor, keys_per_tile: int) -> tuple[int, int, int]:
+    """The dK/dV kernel's grid: (key tiles, kv heads, batch)."""
+    batch, heads_kv, seq_kv, _ = key.shape
+    return math.ceil(seq_kv / keys_per_tile), heads_kv, batch
 
 
 def padded_rows(seq_q: int, schedule: BackwardSchedule) -> int:
@@ -224,8 +229,7 @@ def capture_partials_fit(query: torch.Tensor, key: torch.Tensor, captures: Seque
                          learnable: Sequence[bool]) -> bool:
     """Whether deterministic mode's per-block gradient rows (a row of each learnable capture's
     shape per block of the dK/dV grid, fp32) fit CAPTURE_PARTIALS_MAX_BYTES."""
-    schedule = backward_schedule(query.shape[-1])
-    blocks = math.ceil(key.shape[2] / schedule.kv_keys) * key.shape[1] * key.shape[0]
+    blocks = math.prod(kv_kernel_grid(key, backward_schedule(query.shape[-1]).kv_keys))
     values = sum(t.numel() for t, flag in zip(captures, learnable) if flag)
     return 4 * blocks * values <= CAPTURE_PARTIALS_MAX_BYTES
 

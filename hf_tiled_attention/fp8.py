@@ -150,13 +150,12 @@ def _quantize_on_device(query, key, value) -> Fp8Inputs:
     import cuda.tile as ct
 
     from .launch import launch_device
-    stats = sequence_statistics(query, key, value)
-    outputs = quantized_outputs(query, key, value)
+    inputs, launches = quantize_launches(query, key, value)
     stream = torch.cuda.current_stream(query.device).cuda_stream
     with launch_device(query.device):
-        for kernel, grid, args in quantize_launches(query, key, value, stats, outputs):
+        for kernel, grid, args in launches:
             ct.launch(stream, grid, kernel, args)
-    return outputs._replace(v_scale=stats[2])
+    return inputs
 
 
 def sequence_statistics(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,25 +166,27 @@ def sequence_statistics(query, key, value) -> tuple[torch.Tensor, torch.Tensor, 
             v_amax.clamp_min(_TINY) / E4M3_MAX)
 
 
-def quantized_outputs(query, key, value) -> Fp8Inputs:
-    """The kernels' output tensors, unwritten (``v_scale``: a placeholder)."""
+def quantized_outputs(query, key, value, v_scale: torch.Tensor) -> Fp8Inputs:
+    """The kernels' output tensors, unwritten (with V's scales, which the kernels read)."""
     (batch, heads_q, seq_q, dim), (heads_kv, seq_kv) = query.shape, key.shape[1:3]
     padded = head_dim_tile(dim)
     f32, e4m3 = dict(dtype=torch.float32, device=query.device), \
         dict(dtype=torch.float8_e4m3fn, device=query.device)
     return Fp8Inputs(
-        torch.empty(batch, heads_q, seq_q, padded, **e4m3), torch.empty(batch, heads_q, seq_q, **f32),
+        torch.empty(batch, heads_q, seq_q, padded, **e4m3),
+        torch.empty(batch, heads_q, seq_q, **f32),
         torch.empty(batch, heads_kv, seq_kv, padded, **e4m3),
         torch.empty(batch, heads_kv, seq_kv, **f32), torch.empty(batch, heads_q, seq_kv, **f32),
-        torch.empty(batch, heads_kv, dim, seq_kv + -seq_kv % 16, **e4m3),
-        torch.empty(batch, heads_kv, dim, **f32))
+        torch.empty(batch, heads_kv, dim, seq_kv + -seq_kv % 16, **e4m3), v_scale)
 
 
-def quantize_launches(query, key, value, stats, outputs: Fp8Inputs) -> list[tuple]:
-    """``(kernel, grid, arguments)`` of fp8_quant_kernel.py's three launches (Q's rows, K's
-    rows with the bias, V): one block per tile of tokens of one head."""
+def quantize_launches(query, key, value) -> tuple[Fp8Inputs, list[tuple]]:
+    """``(the outputs, [(kernel, grid, arguments)])`` of fp8_quant_kernel.py's three launches
+    (Q's rows, K's rows with the bias, V; one block per tile of tokens of one head), after the
+    sequence statistics they read."""
     from . import fp8_quant_kernel as K
-    q_mean, k_mean, v_scale = stats
+    q_mean, k_mean, v_scale = sequence_statistics(query, key, value)
+    o = quantized_outputs(query, key, value, v_scale)
     batch, heads_q, seq_q, dim = query.shape
     heads_kv, seq_kv = key.shape[1], key.shape[2]
     padded = head_dim_tile(dim)
@@ -197,8 +198,7 @@ def quantize_launches(query, key, value, stats, outputs: Fp8Inputs) -> list[tupl
         c = [0] * 3
         c[K.TILE_T], c[K.TILE_D], c[K.GROUP] = tokens, padded, group
         return tuple(c)
-    o = outputs
-    return [
+    return o, [
         # Q writes no bias rows (GROUP 0): its QMean and Bias arguments are placeholders
         (K.quantize_rows_kernel, (-(-seq_q // tokens), heads_q, batch),
          (query, q_mean, signs, o.q8, o.q_scale, q_mean, o.q_scale, inv_sqrt, constants(0))),
@@ -355,10 +355,8 @@ def export_quantize_cubins(query, key, value, *, arch: str) -> list[bytes]:
     """The quantisation kernels' cubins, one per launch (Q, K, V), for these arguments (meta
     tensors are fine), built without a GPU."""
     _check(query, key, value, False, None, None, None, None)
-    stats = sequence_statistics(query, key, value)
-    outputs = quantized_outputs(query, key, value)
-    return [_export(kernel, args, arch)
-            for kernel, _, args in quantize_launches(query, key, value, stats, outputs)]
+    return [_export(kernel, args, arch) for kernel, _, args in
+            quantize_launches(query, key, value)[1]]
 
 
 def _export(kernel, args: tuple, arch: str) -> bytes:

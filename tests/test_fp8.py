@@ -85,7 +85,7 @@ def test_the_quantisation_kernels_inputs_match_the_torch_definition():
     torch.testing.assert_close(q_mean, q.float().mean(2), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(k_mean, k.float().mean(2), rtol=1e-6, atol=1e-7)
     assert torch.equal(v_scale, want.v_scale)
-    for got, ref in zip(fp8.quantized_outputs(q, k, v), want):
+    for got, ref in zip(fp8.quantized_outputs(q, k, v, v_scale), want):
         assert (got.shape, got.dtype, got.stride()) == (ref.shape, ref.dtype, ref.stride())
     signs = fp8.rotation_signs(128, torch.device("cpu"))
     assert signs.dtype == torch.bfloat16 and set(signs.float().unique().tolist()) == {-1.0, 1.0}
