@@ -156,13 +156,17 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     ok = [r for r in rows if r["status"] == "ok"]
     models = sorted({r["model"] for r in ok}) or ["none"]
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3 * len(models)), squeeze=False)
+    backends = sorted({r["backend"] for r in ok})
+    # one colour per backend in every panel (a model not run with every backend keeps them)
+    colours = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for model, (ax_rate, ax_ttft) in zip(models, axes):
-        for backend in sorted({r["backend"] for r in ok}):
+        for backend in backends:
             pts = sorted((int(r["concurrency"]), float(r["tokens_per_s"]), float(r["ttft_ms"]))
                          for r in ok if r["model"] == model and r["backend"] == backend)
             if pts:
-                ax_rate.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
-                ax_ttft.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=backend)
+                style = dict(marker="o", label=backend, color=colours[backend])
+                ax_rate.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+                ax_ttft.plot([p[0] for p in pts], [p[2] for p in pts], **style)
         for ax, ylabel in ((ax_rate, "new tokens/s"), (ax_ttft, "median time to first token (ms)")):
             ax.set(xscale="log", xlabel="concurrent requests", ylabel=ylabel, title=model)
             ax.legend(fontsize=7)
