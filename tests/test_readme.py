@@ -148,11 +148,19 @@ def test_readme_context_parallel_script_runs_under_torchrun(tmp_path):
     script.write_text(block)
 
     def losses(processes: int) -> list:
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={processes}", str(script)],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for attempt in range(2):
+            run = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={processes}", str(script)],
+                capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            # About one cold run in five, a gloo rank aborts inside torch ("terminate called
+            # without an active exception", SIGABRT; seen with main's and the branch's trees
+            # alike): such a run is repeated once from scratch (seeded: the same losses), and
+            # any other failure, or a second abort, fails the test.
+            if run.returncode == 0 or attempt or \
+                    "terminate called without an active exception" not in run.stderr:
+                break
         assert run.returncode == 0, run.stderr[-3000:]
         return [float(x) for x in re.findall(r"step \d: loss ([-\d.]+)", run.stdout)]
 
