@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# The first H200 call after `git am --keep-cr .pending/fp8-kv-cache.mbox` (carry .gpu; run as
-# `bash .gpu/install.sh >/dev/null 2>&1 && source /tmp/cutile-tk/env.sh && bash .pending/first-call.sh`
-# before .pending is removed, or from a copy): the FP8 cache's GPU tests, its decode bench and
-# generate() with it, every log and CSV tarred into $OUT/fp8-cache.tgz (8 files come back).
+# The first H200 call after `git am --keep-cr .pending/fp8-kv-cache.mbox` (carry .gpu and a copy
+# of this folder, e.g. exp/: `bash .gpu/install.sh >/dev/null 2>&1 && source
+# /tmp/cutile-tk/env.sh && bash exp/first-call.sh`): the FP8 cache's GPU tests (holding the
+# timing lock), the decode kernel's knob sweep (decode_sweep.py, compiled in parallel, timed one
+# process at a time), then where a bf16 "tiled" decode step of generate() spends its time at
+# batch 8 / 8k (tiled 0.79x sdpa there on 2026-12-05). Everything tarred into $OUT/c2.tgz.
 set -u
-r=$OUT/fp8-cache && mkdir -p "$r"
-python -m pytest -q -n 8 -m gpu tests/test_fp8_cache_gpu.py integration_tests/test_fp8_cache_generate.py \
-  > "$r/gpu_tests.txt" 2>&1; echo "gpu tests rc $?" >> "$r/gpu_tests.txt"
-python eval/fp8_cache_decode_bench.py --out "$r/decode" > "$r/decode_bench.txt" 2>&1
-python eval/generate_throughput.py --shapes llama3-8b --layers 8 --cache dynamic static \
-  --points 1x8192 8x8192 32x4096 --backends tiled tiled_fp8_cache sdpa --out "$r/generate" \
-  > "$r/generate.txt" 2>&1
-tar czf "$OUT/fp8-cache.tgz" -C "$OUT" fp8-cache && tail -5 "$r/gpu_tests.txt" "$r/decode_bench.txt"
+export PYTHONPATH=.:${PYTHONPATH:-}
+here=$(dirname "$0")
+r=$OUT/c2 && mkdir -p "$r"
+( flock /tmp/sweep.lock timeout 200 python -m pytest -q -n 8 -m gpu tests/test_fp8_cache_gpu.py \
+  integration_tests/test_fp8_cache_generate.py > "$r/gpu_tests.txt" 2>&1
+  echo "gpu tests rc $?" >> "$r/gpu_tests.txt" ) &
+sleep 3
+for v in "64 2 2 4 0 0" "128 2 2 4 0 0" "64 4 2 4 0 0" "64 2 2 4 1 0" "64 2 2 4 2 0" "64 2 2 4 0 1" \
+         "64 2 2 4 1 1" "64 2 2 4 2 1" "128 2 2 4 1 1" "64 4 2 4 2 1"; do
+  timeout 240 python "$here/decode_sweep.py" $v > "$r/sweep_$(echo $v | tr ' ' _).txt" 2>&1 &
+done
+wait
+timeout 100 python eval/profile_decode_step.py --shape llama3-8b --layers 8 --batch 8 --prompt 8192 \
+  --steps 16 --reps 2 --out "$r/profile" > "$r/profile.txt" 2>&1; echo "rc $?" >> "$r/profile.txt"
+cat "$r"/sweep_*.txt | grep '^{' > "$r/sweep.jsonl"
+tar czf "$OUT/c2.tgz" -C "$OUT" c2
+tail -8 "$r/gpu_tests.txt"; tail -6 "$r/profile.txt"; cat "$r/sweep.jsonl"

@@ -1,0 +1,31 @@
+"""FP8 cache decode knob sweep (.pending/first-call.sh): one variant per process (args: keys occupancy k_latency v_latency qk_parts pv_fp8); compile in parallel, time under a lock (one process at a time on the GPU), error against the dequantised rows through the bf16 kernel."""
+import fcntl, json, sys, time
+import torch
+from hf_tiled_attention import fp8_cache_attention as A, memo, tiled_attention
+from hf_tiled_attention.fp8_cache import quantize_keys, quantize_rows, keys_from_rows, dequantize_rows
+from hf_tiled_attention.timing import back_to_back_ms
+
+keys_n, occ, klat, vlat, krows, pv = (int(x) for x in sys.argv[1:7])
+A.FP8_CACHE_KEYS, A.FP8_CACHE_OCCUPANCY = keys_n, occ
+A.FP8_CACHE_LATENCY, A.FP8_CACHE_QK_PARTS, A.FP8_CACHE_PV_FP8 = (klat, vlat), krows, bool(pv)
+memo.clear_caches()
+label = f"keys={keys_n} occ={occ} lat={klat},{vlat} qk_parts={krows} pv_fp8={pv}"
+pts = [(1, 65536), (8, 16384), (8, 65536), (32, 16384)]
+data = []
+g = torch.Generator(device="cuda").manual_seed(0)
+for b, n in pts:
+    q = torch.randn(b, 32, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 8, n, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kr, vr = quantize_keys(k), quantize_rows(v)
+    call = lambda: A.decode_step(q, kr, vr, causal=True)
+    out = call()
+    ref = tiled_attention(q[:1], keys_from_rows(kr[:1], q.dtype), dequantize_rows(vr[:1], q.dtype), is_causal=True)
+    err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
+    data.append((b, n, q, kr, vr, call, err, kr.nbytes + vr.nbytes))
+torch.cuda.synchronize()
+with open("/tmp/sweep.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    for b, n, q, kr, vr, call, err, nbytes in data:
+        ms = back_to_back_ms(call, [()], reps=50)
+        print(json.dumps(dict(variant=label, batch=b, keys=n, ms=round(ms, 4),
+                              tbps=round(nbytes / ms / 1e9, 3), err=f"{err:.1e}")), flush=True)
