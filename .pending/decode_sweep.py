@@ -1,15 +1,21 @@
-"""FP8 cache decode knob sweep (.pending/first-call.sh): one variant per process (args: keys occupancy k_latency v_latency qk_parts pv_fp8); compile in parallel, time under a lock (one process at a time on the GPU), error against the dequantised rows through the bf16 kernel."""
-import fcntl, json, sys, time
+"""FP8 cache decode knob sweep (sweep-call.sh): one variant per process, its arguments
+``keys occupancy k_latency v_latency qk_parts pv_fp8``; processes compile in parallel and time
+under a lock (one at a time on the GPU); ``err``: the step's error against the dequantised rows
+through the bf16 kernel, first batch row."""
+import fcntl
+import json
+import sys
+
 import torch
 from hf_tiled_attention import fp8_cache_attention as A, memo, tiled_attention
 from hf_tiled_attention.fp8_cache import quantize_keys, quantize_rows, keys_from_rows, dequantize_rows
 from hf_tiled_attention.timing import back_to_back_ms
 
-keys_n, occ, klat, vlat, krows, pv = (int(x) for x in sys.argv[1:7])
+keys_n, occ, klat, vlat, qk_parts, pv = (int(x) for x in sys.argv[1:7])
 A.FP8_CACHE_KEYS, A.FP8_CACHE_OCCUPANCY = keys_n, occ
-A.FP8_CACHE_LATENCY, A.FP8_CACHE_QK_PARTS, A.FP8_CACHE_PV_FP8 = (klat, vlat), krows, bool(pv)
+A.FP8_CACHE_LATENCY, A.FP8_CACHE_QK_PARTS, A.FP8_CACHE_PV_FP8 = (klat, vlat), qk_parts, bool(pv)
 memo.clear_caches()
-label = f"keys={keys_n} occ={occ} lat={klat},{vlat} qk_parts={krows} pv_fp8={pv}"
+label = f"keys={keys_n} occ={occ} lat={klat},{vlat} qk_parts={qk_parts} pv_fp8={pv}"
 pts = [(1, 65536), (8, 16384), (8, 65536), (32, 16384)]
 data = []
 g = torch.Generator(device="cuda").manual_seed(0)

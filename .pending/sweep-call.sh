@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The first H200 call after `git am --keep-cr .pending/fp8-kv-cache.mbox` (carry .gpu and a copy
-# of this folder, e.g. exp/: `bash .gpu/install.sh >/dev/null 2>&1 && source
-# /tmp/cutile-tk/env.sh && bash exp/first-call.sh`): the FP8 cache's GPU tests (holding the
-# timing lock), the decode kernel's knob sweep (decode_sweep.py, compiled in parallel, timed one
-# process at a time), then where a bf16 "tiled" decode step of generate() spends its time at
-# batch 8 / 8k (tiled 0.79x sdpa there on 2026-12-05). Everything tarred into $OUT/c2.tgz.
+# The H200 call that made h200-2026-12-05/decode_sweep.jsonl and decode_step_profile.csv, on the
+# patch's tree (carry .gpu and a copy of this folder, e.g. exp/: `bash .gpu/install.sh
+# >/dev/null 2>&1 && source /tmp/cutile-tk/env.sh && bash exp/sweep-call.sh`): the FP8 cache's
+# GPU tests (holding the timing lock), the decode kernel's knob sweep (decode_sweep.py, compiled
+# in parallel, timed one process at a time), then a profile of a bf16 "tiled" decode step of
+# generate() at batch 8 / 8k. Everything tarred into $OUT/c2.tgz.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-}
 here=$(dirname "$0")
