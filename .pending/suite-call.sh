@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite on this tree in two parts; logs tarred into $OUT after each.
+# Carry .gpu and a copy of .pending in exp/ (the decode variants: decode_sweep.py beside it).
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-}
 r=$OUT/suite && mkdir -p "$r"
