@@ -502,3 +502,12 @@ def fp8_tiles(head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the FP8 forward; the keys per tile also set where its CPU
     twin (fp8.reference) rounds the probabilities, so both read this."""
     return (128, 128) if head_dim <= 128 else (128, 64)
+
+
+# The FP8 KV cache's decode kernel (fp8_cache_kernel.py): keys per step, rows per tile (the
+# warpgroup MMA's 64; 128-row tiles spill at D = 128 in sm_90 cubins), blocks per SM, and the
+# tokens per block of its quantisation kernel. Not yet tuned on a GPU.
+FP8_CACHE_KEYS = 64
+FP8_CACHE_ROWS = 64
+FP8_CACHE_OCCUPANCY = 2
+FP8_CACHE_QUANT_TOKENS = 64

@@ -130,6 +130,18 @@ def test_generate_cpu(tmp_path):
         generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
 
 
+def test_generate_fp8_cache_backend_cpu(tmp_path):
+    """tiled_fp8_cache: "tiled" generating into the FP8 cache of each kind."""
+    from eval import generate_throughput
+    assert generate_throughput.main(["--new-tokens", "48", "--points", "1x16", "--backends",
+                                     "tiled_fp8_cache", "sdpa", "--reps", "3", "--warmup", "1",
+                                     "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "generate.csv")
+    assert {(r["backend"], r["cache"]) for r in rows} == {
+        (b, c) for b in ("tiled_fp8_cache", "sdpa") for c in ("dynamic", "static")}
+    assert all(r["status"] == "ok" for r in rows)
+
+
 def test_generate_points_cpu(tmp_path):
     """--points runs the named (batch, prompt) pairs only, not their cross product."""
     from eval import generate_throughput
@@ -858,6 +870,19 @@ def test_paged_decode_bench_cpu(tmp_path):
     rows = read_csv(tmp_path / "paged_decode.csv")
     assert [r["mode"] for r in rows] == paged_decode_bench.MODES
     assert all(float(r["max_err_vs_gathered"]) == 0 for r in rows)
+
+
+def test_fp8_cache_decode_bench_cpu(tmp_path):
+    from eval import fp8_cache_decode_bench
+    assert fp8_cache_decode_bench.main(["--batch", "2", "--keys", "50", "--heads", "4/2",
+                                        "--head-dim", "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "fp8_cache.csv")
+    assert [r["mode"] for r in rows] == fp8_cache_decode_bench.MODES
+    by_mode = {r["mode"]: r for r in rows}
+    # the rows' bytes (D + 16 per token and head) against bf16's 2 D
+    assert float(by_mode["fp8_cache"]["kv_mb"]) < float(by_mode["bf16_tiled"]["kv_mb"])
+    assert float(by_mode["bf16_tiled"]["rel_err"]) < 1e-2  # (fp32-level reference path)
+    assert 1e-3 < float(by_mode["fp8_cache"]["rel_err"]) < 0.1  # e4m3's rounding, no more
 
 
 def test_fp8_numerics_cpu(tmp_path):
