@@ -6,8 +6,9 @@
 Each point is one decode step (one query per row) of ``--batch`` rows over ``--keys`` cached
 keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16 queries). Modes:
 
-* ``fp8_cache``: the decode kernel over the FP8 cache's rows (fp8_cache_attention.decode:
-  ``D + 16`` bytes per token and head, 0.56x bf16's);
+* ``fp8_cache``: what "tiled" runs over the FP8 cache's rows (fp8_cache_attention.decode_step:
+  the query rotated as the keys, then the decode kernel; ``D + 16`` bytes per token and head,
+  0.56x bf16's);
 * ``bf16_tiled``: the bf16 kernel over bf16 K/V (``tiled_attention``, the "tiled" decode);
 * ``bf16_sdpa``: torch's SDPA over the same bf16 K/V (GQA without repeating them).
 
@@ -29,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, parse_heads, results_dir  # noqa: E402
 from hf_tiled_attention import tiled_attention  # noqa: E402
-from hf_tiled_attention.fp8_cache import dequantize_rows, quantize_rows  # noqa: E402
+from hf_tiled_attention.fp8_cache import (dequantize_rows, keys_from_rows,  # noqa: E402
+                                          quantize_keys, quantize_rows)
 from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
 
 COLUMNS = ["batch", "keys", "heads_q", "heads_kv", "head_dim", "mode", "kv_mb", "ms",
@@ -38,12 +40,12 @@ MODES = ["fp8_cache", "bf16_tiled", "bf16_sdpa"]
 
 
 def fp8_cache_step(query, key_rows, value_rows):
-    """What "tiled" runs for a decode step over FP8 rows: the decode kernel on a GPU, the
-    dequantised rows elsewhere."""
+    """What "tiled" runs for a decode step over FP8 rows: the query rotated as the keys and
+    the decode kernel on a GPU, the dequantised rows elsewhere."""
     if query.is_cuda:
-        from hf_tiled_attention.fp8_cache_attention import decode
-        return decode(query, key_rows, value_rows, causal=True)
-    return tiled_attention(query, dequantize_rows(key_rows, query.dtype),
+        from hf_tiled_attention.fp8_cache_attention import decode_step
+        return decode_step(query, key_rows, value_rows, causal=True)
+    return tiled_attention(query, keys_from_rows(key_rows, query.dtype),
                            dequantize_rows(value_rows, query.dtype), is_causal=True)
 
 
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
             q = torch.randn(batch, heads_q, 1, dim, generator=g, device=device, dtype=dtype)
             k, v = (torch.randn(batch, heads_kv, keys, dim, generator=g, device=device,
                                 dtype=dtype) for _ in range(2))
-            k_rows, v_rows = quantize_rows(k), quantize_rows(v)
+            k_rows, v_rows = quantize_keys(k), quantize_rows(v)
             calls = {
                 "fp8_cache": (lambda: fp8_cache_step(q, k_rows, v_rows),
                               k_rows.nbytes + v_rows.nbytes),

@@ -2,16 +2,21 @@
 :class:`Fp8StaticCache`, read by "tiled" and "tiled_fp8" (fp8_cache_attention.py).
 
 Each cached token of each head is one row of ``D + ROW_EXTRA`` bytes: its ``D`` values in e4m3,
-then its fp32 scale (the row's largest magnitude / 448), then zeros, so a row is a whole
-number of 16-byte units (0.56x bf16's bytes at D = 128). A layer's keys (and its values) are
+then its fp32 scale (the row's largest magnitude / 448), then 12 unused bytes, so a row is a
+whole number of 16-byte units (0.56x bf16's bytes at D = 128). A layer's keys (and its values) are
 one ``uint8`` tensor ``(B, H, S, D + ROW_EXTRA)``: transformers' own layer code (``cat``,
 ``index_copy_``, sliding windows, beam reordering, ``crop``) runs on it unchanged, and the
 caches only quantise the new states on their way in (:func:`quantize_rows`: one kernel launch
 per tensor on a GPU, the same bits in torch elsewhere).
 
 A value is rounded as ``x * (448 / amax)`` (the reciprocal in fp32, then one product, as the
-kernel computes it) and read back as ``e4m3 * scale``. Attention then sees the rounded keys
-and values of every token, the current step's included.
+kernel computes it) and read back as ``e4m3 * scale``. Keys are multiplied first by
+:func:`key_rotation` (at head dims that are powers of two), a +-1 Hadamard matrix with random
+signs: ``q . k`` is unchanged once the query is multiplied by it too, and the channels that
+LLM keys concentrate their magnitude in spread over all of them (SmolLM2-135M on the CPU, fp32,
+lcet10 in 2k windows: the FP8 cache's perplexity cost falls from +1.2% to +0.6%). Attention
+then sees the rounded keys and values of every token, the current step's included
+(:func:`keys_from_rows`, :func:`dequantize_rows`).
 
 Imports transformers (the caches subclass its own); the package imports this module only where
 transformers is installed.
@@ -19,6 +24,7 @@ transformers is installed.
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 from transformers import AttentionInterface, DynamicCache, StaticCache
@@ -28,9 +34,11 @@ from .kernel_params import AMAX_FLOOR, E4M3_MAX
 from .memo import memoize
 
 __all__ = ["Fp8DynamicCache", "Fp8StaticCache", "dequantize_rows", "is_fp8_rows",
-           "quantize_rows", "quantize_rows_torch", "split_rows"]
+           "key_rotation", "keys_from_rows", "quantize_keys", "quantize_rows",
+           "quantize_rows_torch", "split_rows"]
 
-# Bytes after a row's values: its fp32 scale and 12 zero bytes (16-byte rows, for TMA loads).
+# Bytes after a row's values: its fp32 scale and 12 unused bytes (16-byte rows, for TMA loads;
+# quantize_rows_torch writes them as zeros, the kernel leaves them).
 ROW_EXTRA = 16
 SCALE_BYTES = 4
 
@@ -84,6 +92,35 @@ def quantize_rows_torch(states: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def key_rotation(head_dim: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The ``(D, D)`` +-1 matrix ``S`` keys are multiplied by before rounding (fp8.py's
+    rotation, unnormalised: exact in bf16; ``S S^T = D I``), or None at a head dim that is not
+    a power of two (those keys are rounded as they are)."""
+    if head_dim & (head_dim - 1):
+        return None
+    from .fp8 import rotation_signs
+    return rotation_signs(head_dim, device)
+
+
+def quantize_keys(states: torch.Tensor) -> torch.Tensor:
+    """Key states ``(B, H, S, D)`` as rows: times :func:`key_rotation` (in their own dtype),
+    then :func:`quantize_rows`."""
+    signs = key_rotation(states.shape[-1], states.device)
+    if signs is not None:
+        states = states @ signs.to(states.dtype)
+    return quantize_rows(states)
+
+
+def keys_from_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The keys :func:`quantize_keys`' rows hold, rotated back: ``rows S^T / D`` in fp32, then
+    ``dtype``."""
+    keys = dequantize_rows(rows, torch.float32)
+    signs = key_rotation(keys.shape[-1], keys.device)
+    if signs is not None:
+        keys = keys @ signs.float().T / keys.shape[-1]
+    return keys.to(dtype)
+
+
 def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of rows ``(..., D + ROW_EXTRA)``: the e4m3 values ``(..., D)`` and the fp32
     scales ``(...)`` (no copies: what the decode kernel reads)."""
@@ -113,7 +150,7 @@ class _Fp8Rows:
         super().lazy_initialization(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return super().update(quantize_rows(key_states), quantize_rows(value_states), *args,
+        return super().update(quantize_keys(key_states), quantize_rows(value_states), *args,
                               **kwargs)
 
 

@@ -19,7 +19,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .fp8_cache import check_rows, dequantize_rows, is_fp8_rows, row_head_dim, split_rows
+from .fp8_cache import (check_rows, dequantize_rows, is_fp8_rows, key_rotation, keys_from_rows,
+                        row_head_dim, split_rows)
 from .kernel_params import LOG2E, MergeConstants
 from .launch import (MAX_SPLITS, MIN_TILES_PER_SPLIT, BufferViews, buffer_views,
                      launch_device, merge_constants, next_power_of_two, packed_group_tile,
@@ -30,7 +31,7 @@ from .reference import empty_output
 from .schedule import (DECODE_QUERY_ROWS, FP8_CACHE_KEYS, FP8_CACHE_OCCUPANCY,
                        FP8_CACHE_QUANT_TOKENS, FP8_CACHE_ROWS, Schedule, head_dim_tile)
 
-__all__ = ["attend_cache_rows", "cache_kernels_run_on", "decode", "decode_plan"]
+__all__ = ["attend_cache_rows", "cache_kernels_run_on", "decode", "decode_plan", "decode_step"]
 
 _PACKED = Schedule(pack_gqa=True)  # (packed_group_tile reads only this field)
 
@@ -63,13 +64,13 @@ def attend_cache_rows(forward: Callable, module: torch.nn.Module, query: torch.T
         raise ValueError(f"key rows hold head dim {head_dim}, the query has {query.shape[-1]}")
     if _decodes(module, query, value, dropout, kwargs):
         call = read_call(module, query, key, attention_mask, scaling, kwargs)
-        key_mask = _key_mask(call, query)
+        key_mask = _key_mask(call, query, key)
         if _kernel_computes(call, key_mask):
-            return decode(query, key, value, key_mask,
-                          causal=call.causal, scale=call.scale, window=call.window,
-                          softcap=call.softcap, diag_offset=call.diag_offset,
-                          sinks=call.sinks).transpose(1, 2), None
-    return forward(module, query, dequantize_rows(key, query.dtype),
+            return decode_step(query, key, value, key_mask, causal=call.causal,
+                               scale=call.scale, window=call.window, softcap=call.softcap,
+                               diag_offset=call.diag_offset,
+                               sinks=call.sinks).transpose(1, 2), None
+    return forward(module, query, keys_from_rows(key, query.dtype),
                    dequantize_rows(value, query.dtype), attention_mask, scaling=scaling,
                    dropout=dropout, **kwargs)
 
@@ -89,12 +90,14 @@ def _decodes(module, query: torch.Tensor, value: torch.Tensor, dropout: float,
             and route_for(kwargs.get("position_ids")) is None)
 
 
-def _key_mask(call: LayerCall, query: torch.Tensor) -> Optional[torch.Tensor]:
+def _key_mask(call: LayerCall, query: torch.Tensor, key: torch.Tensor
+              ) -> Optional[torch.Tensor]:
     """The call's mask as the kernel's ``(B, 1, 1, Skv)`` bool key mask, when it is one (a key
     padding vector, or a static cache's one-row mask), else None."""
     mask = call.mask
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
-            or mask.shape[2] != 1:
+            or mask.shape[2] != 1 or mask.shape[3] != key.shape[2] \
+            or mask.shape[0] not in (1, query.shape[0]):
         return None
     return mask
 
@@ -108,6 +111,23 @@ def _kernel_computes(call: LayerCall, key_mask: Optional[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The decode step
 # ---------------------------------------------------------------------------------------------
+
+def decode_step(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
+                key_mask: Optional[torch.Tensor] = None, *, causal: bool = True,
+                scale: Optional[float] = None, window: Optional[int] = None,
+                softcap: Optional[float] = None, diag_offset: Optional[int] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of ``query`` over a cache's key rows (fp8_cache.quantize_keys: rotated where
+    the head dim is a power of two) and value rows: the query rotated the same way (one small
+    matmul) and the scale divided by ``D`` (``S S^T = D I``), then :func:`decode`."""
+    dim = query.shape[-1]
+    scale = float(scale) if scale is not None else dim ** -0.5
+    signs = key_rotation(dim, query.device)
+    if signs is not None:
+        query, scale = query @ signs.to(query.dtype), scale / dim
+    return decode(query, key_rows, value_rows, key_mask, causal=causal, scale=scale,
+                  window=window, softcap=softcap, diag_offset=diag_offset, sinks=sinks)
+
 
 def decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
            key_mask: Optional[torch.Tensor] = None, *, causal: bool = True,

@@ -10,7 +10,8 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 
 import hf_tiled_attention as hta
 from hf_tiled_attention import fp8_cache_attention
-from hf_tiled_attention.fp8_cache import ROW_EXTRA, dequantize_rows, quantize_rows_torch
+from hf_tiled_attention.fp8_cache import (ROW_EXTRA, dequantize_rows, keys_from_rows,
+                                          quantize_keys, quantize_rows_torch)
 from models import build, padded_batch
 
 NEW = 8
@@ -21,7 +22,7 @@ class _Rounded:
     """A cache layer mix-in for eager: the states an FP8 cache would hold, dequantised."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return super().update(dequantize_rows(quantize_rows_torch(key_states), key_states.dtype),
+        return super().update(keys_from_rows(quantize_keys(key_states), key_states.dtype),
                               dequantize_rows(quantize_rows_torch(value_states),
                                               value_states.dtype), *args, **kwargs)
 
@@ -111,6 +112,59 @@ def test_beam_search_reorders_the_rows():
             outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=3,
                                        do_sample=False, pad_token_id=0, past_key_values=cache))
     assert torch.equal(outs[0], outs[1])
+
+
+def _decode_in_torch(query, key_rows, value_rows, key_mask=None, *, causal, scale, window,
+                     softcap, diag_offset, sinks):
+    """fp8_cache_attention.decode's contract in torch (fp32): what the kernel must compute from
+    the arguments the adapter hands it."""
+    from hf_tiled_attention.reference import empty_output
+    k, v = (dequantize_rows(r, torch.float32) for r in (key_rows, value_rows))
+    group = query.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = query.float() @ k.transpose(2, 3) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(query.shape[2])[:, None] + diag_offset
+    keys = torch.arange(k.shape[2])[None, :]
+    seen = torch.ones_like(pos + keys, dtype=torch.bool)
+    if causal:
+        seen &= keys <= pos
+    if window:
+        seen &= keys > pos - window
+    if key_mask is not None:
+        seen = seen & key_mask
+    s = s.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], 2)
+    out = torch.nan_to_num(torch.softmax(s, -1)) @ v
+    return empty_output(query).copy_(out)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_steps_hand_the_kernel_what_it_must_compute(name, kind, monkeypatch):
+    """The adapter's decode-kernel route on the CPU, the kernel replaced by its contract in
+    torch: generate() as on the dequantised rows, and every decode step taken by the route
+    (causal at the cache's offset, windows, left padding or a static cache's mask, softcap,
+    sinks)."""
+    calls = []
+
+    def decode(*args, **kwargs):
+        calls.append(kwargs)
+        return _decode_in_torch(*args, **kwargs)
+    tiled = build(name, "tiled")
+    ids, mask = padded_batch([9, 4, 7], 9, "left", seed=2)
+    want = _generate(tiled, ids, mask, _caches(kind, tiled, tiled, 9 + NEW)[0])
+    monkeypatch.setattr(fp8_cache_attention, "_decodes", lambda *args: True)
+    monkeypatch.setattr(fp8_cache_attention, "decode", decode)
+    got = _generate(tiled, ids, mask, _caches(kind, tiled, tiled, 9 + NEW)[0])
+    # every step, the 9-token prefill too (at most 16 queries: the kernel's)
+    assert len(calls) == tiled.config.num_hidden_layers * NEW
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4,
+                               rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -328,7 +328,7 @@ def test_perplexity_default_model_cpu(tmp_path):
                             "--dtypes", "fp32", "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "perplexity.csv")
     assert {r["model"] for r in rows} == {"SmolLM2-135M-Instruct.Q4_1.gguf"}
-    assert {r["backend"] for r in rows} == {"tiled", "sdpa", "eager"}
+    assert {r["backend"] for r in rows} == {"tiled", "tiled_fp8_cache", "sdpa", "eager"}
     tiled = [r for r in rows if r["backend"] == "tiled"]
     assert tiled and all(r["status"] == "PASS" for r in tiled), tiled
     assert all(1.0 < float(r["ppl"]) < 1000.0 for r in rows), rows  # a real model, real text
@@ -347,7 +347,7 @@ def test_perplexity_cpu(tmp_path):
                             "64", "--max-tokens", "256", "--dtypes", "fp32", "bf16",
                             "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "perplexity.csv")
-    assert len(rows) == 2 * 3 + 2 * 4  # windows x backends: fp32 (no FP8 rows), bf16
+    assert len(rows) == 2 * 4 + 2 * 5  # windows x backends: fp32 (no tiled_fp8 rows), bf16
     tiled = [r for r in rows if r["backend"] == "tiled"]
     assert all(r["status"] == "PASS" for r in tiled), tiled
     assert code == 0
@@ -357,6 +357,10 @@ def test_perplexity_cpu(tmp_path):
     fp8 = [r for r in rows if r["backend"] == "tiled_fp8"]
     assert {r["dtype"] for r in fp8} == {"bf16"} and all(float(r["rel_diff_sdpa"]) > 0
                                                           for r in fp8)
+    # the FP8 cache's rounding of K and V, in every dtype: visible, and small
+    fp8_cache = [r for r in rows if r["backend"] == "tiled_fp8_cache"]
+    assert {r["dtype"] for r in fp8_cache} == {"fp32", "bf16"}
+    assert all(0 < float(r["rel_diff_sdpa"]) < 0.1 for r in fp8_cache), fp8_cache
 
 
 def test_kernel_bench_presets_run_on_cpu(tmp_path):

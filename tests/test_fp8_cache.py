@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hf_tiled_attention import fp8_cache, fp8_cache_attention
-from hf_tiled_attention.fp8_cache import (ROW_EXTRA, dequantize_rows, quantize_rows,
+from hf_tiled_attention.fp8_cache import (ROW_EXTRA, dequantize_rows, key_rotation,
+                                          keys_from_rows, quantize_keys, quantize_rows,
                                           quantize_rows_torch, split_rows)
 from hf_tiled_attention.kernel_params import E4M3_MAX
 
@@ -45,6 +46,30 @@ def test_rounding_error_is_half_an_e4m3_step_of_the_row():
     err = (back - x).abs()
     bound = torch.maximum(x.abs() * E4M3_STEP / 2, amax / E4M3_MAX * 2.0 ** -9) * 1.001
     assert (err <= bound).all()
+
+
+def test_keys_are_rotated_and_read_back():
+    """Keys: times the +-1 Hadamard matrix S, rounded; read back rotated by S^T / D. A query
+    rotated by S scores the rows as the keys (S S^T = D I)."""
+    k = _states(dtype=torch.float32)
+    signs = key_rotation(64, k.device).float()
+    assert torch.equal(signs @ signs.T, 64 * torch.eye(64))
+    rows = quantize_keys(k)
+    assert torch.equal(dequantize_rows(rows, torch.float32),
+                       dequantize_rows(quantize_rows(k @ signs), torch.float32))
+    back = keys_from_rows(rows, torch.float32)
+    assert (back - k).pow(2).mean().sqrt() < 0.05 * k.pow(2).mean().sqrt()  # e4m3's rounding
+    q = torch.randn(2, 3, 5, 64)
+    torch.testing.assert_close((q @ signs) @ dequantize_rows(rows, torch.float32).transpose(2, 3)
+                               / 64, q @ back.transpose(2, 3), rtol=1e-5, atol=1e-4)
+
+
+def test_keys_of_other_head_dims_are_not_rotated():
+    k = _states((1, 2, 9, 96), dtype=torch.float32)
+    assert key_rotation(96, k.device) is None
+    assert torch.equal(quantize_keys(k), quantize_rows(k))
+    assert torch.equal(keys_from_rows(quantize_keys(k), torch.float32),
+                       dequantize_rows(quantize_rows(k), torch.float32))
 
 
 def test_zero_rows_and_dtypes():
@@ -84,9 +109,9 @@ def test_adapter_reads_rows_as_the_dequantised_states():
     torch.manual_seed(0)
     q = torch.randn(2, 8, 3, 64)
     k, v = _states((2, 2, 20, 64), 1, torch.float32), _states((2, 2, 20, 64), 2, torch.float32)
-    kr, vr = quantize_rows(k), quantize_rows(v)
+    kr, vr = quantize_keys(k), quantize_rows(v)
     out, _ = _layer_call(q, kr, vr, scaling=0.125)
-    want, _ = _layer_call(q, dequantize_rows(kr, q.dtype), dequantize_rows(vr, q.dtype),
+    want, _ = _layer_call(q, keys_from_rows(kr, q.dtype), dequantize_rows(vr, q.dtype),
                           scaling=0.125)
     assert out.shape == (2, 3, 8, 64)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
@@ -109,9 +134,10 @@ def test_fp8_backend_reads_rows_too():
         is_causal = True
     torch.manual_seed(1)
     q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-    k, v = (quantize_rows(torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)) for _ in range(2))
+    k = quantize_keys(torch.randn(1, 2, 8, 64, dtype=torch.bfloat16))
+    v = quantize_rows(torch.randn(1, 2, 8, 64, dtype=torch.bfloat16))
     out, _ = fp8_attention_forward(Layer().eval(), q, k, v, None, scaling=0.125)
-    want = fp8_attention(q, dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype),
+    want = fp8_attention(q, keys_from_rows(k, q.dtype), dequantize_rows(v, q.dtype),
                          is_causal=True, scale=0.125)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
 
