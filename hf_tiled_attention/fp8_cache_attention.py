@@ -281,12 +281,13 @@ def _decode_launch(query, key_rows, value_rows, key_mask, causal, scale, window,
 
 @memoize(1)
 def _kernels():
-    """(decode, merge) with their compiler hints: FP8_CACHE_OCCUPANCY blocks per SM, one
-    warpgroup (a 64-row tile)."""
+    """(decode, merge) with their compiler hints: the decode FP8_CACHE_OCCUPANCY blocks per SM,
+    one warpgroup (a 64-row tile); the merge two warpgroups (its sm_90 cubins keep no stack at
+    GQA shapes, 208-328 B with one)."""
     from . import fp8_cache_kernel as K
     return (K.decode_cache_rows_kernel.replace_hints(occupancy=FP8_CACHE_OCCUPANCY,
                                                      num_worker_warps=4),
-            K.merge_splits_kernel)
+            K.merge_splits_kernel.replace_hints(num_worker_warps=8))
 
 
 # ---------------------------------------------------------------------------------------------
