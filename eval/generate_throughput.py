@@ -46,11 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import (ResultsWriter, label_lengths, median_interval, progress,  # noqa: E402
                          results_dir, save_figure)
-from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
+from eval.models import (FP8_CACHE_BACKEND, SHAPES, build_config, build_models,  # noqa: E402
+                         model_device)
 
-BACKENDS = ["tiled", "sdpa", "eager"]
-# Asked for by name: "tiled" generating into the FP8 KV cache.
-FP8_CACHE_BACKEND = "tiled_fp8_cache"
+BACKENDS = ["tiled", "sdpa", "eager"]  # and, asked for by name, FP8_CACHE_BACKEND
 CACHES = ["dynamic", "static"]
 COLUMNS = ["model", "layers", "backend", "cache", "batch", "prompt", "new_tokens", "ttft_ms",
            "tokens_per_s", "vs_sdpa", "vs_sdpa_low", "vs_sdpa_high", "peak_gib", "status",

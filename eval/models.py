@@ -36,9 +36,11 @@ def build_config(name: str, layers: int):
     return AutoConfig.for_model(model_type, num_hidden_layers=layers, **spec)
 
 
+# "tiled" run into the FP8 KV cache (hf_tiled_attention.Fp8DynamicCache / Fp8StaticCache).
+FP8_CACHE_BACKEND = "tiled_fp8_cache"
 # Eval backends that are an attention implementation with something else of their own (the
 # cache they generate into): the implementation their model loads with.
-IMPLEMENTATIONS = {"tiled_fp8_cache": "tiled"}
+IMPLEMENTATIONS = {FP8_CACHE_BACKEND: "tiled"}
 
 
 def build_models(backends: list[str], config, dtype, device) -> dict:

@@ -30,10 +30,10 @@ import torch  # noqa: E402
 
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
-from eval.models import IMPLEMENTATIONS  # noqa: E402
+from eval.models import FP8_CACHE_BACKEND, IMPLEMENTATIONS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-BACKENDS = ["tiled", "tiled_fp8", "tiled_fp8_cache", "sdpa", "eager"]
+BACKENDS = ["tiled", "tiled_fp8", FP8_CACHE_BACKEND, "sdpa", "eager"]
 # FP8 attention quantises 16-bit activations: no fp32 rows (its perplexity target, 0.5% of
 # bf16 sdpa's, is a target, not the parity check the "tiled" rows pass or fail).
 FP8_BACKENDS = ("tiled_fp8",)
@@ -113,7 +113,7 @@ def evaluate(models: dict, ids: torch.Tensor, window: int, device: str) -> dict:
         logits_by_backend = {}
         for backend, model in models.items():
             cache = {}
-            if backend == "tiled_fp8_cache":
+            if backend == FP8_CACHE_BACKEND:
                 cache = dict(past_key_values=hf_tiled_attention.Fp8DynamicCache(
                     config=model.config), use_cache=True)
             logits = model(chunk, **cache).logits[0, :-1].float()

@@ -92,22 +92,25 @@ def quantize_rows_torch(states: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def key_rotation(head_dim: int, device: torch.device) -> Optional[torch.Tensor]:
+@memoize(64)
+def key_rotation(head_dim: int, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> Optional[torch.Tensor]:
     """The ``(D, D)`` +-1 matrix ``S`` keys are multiplied by before rounding (fp8.py's
-    rotation, unnormalised: exact in bf16; ``S S^T = D I``), or None at a head dim that is not
-    a power of two (those keys are rounded as they are)."""
+    rotation, unnormalised: exact in every float dtype; ``S S^T = D I``) in ``dtype``, or None
+    at a head dim that is not a power of two (those keys are rounded as they are). Memoised: a
+    decode step's layers take it without a cast."""
     if head_dim & (head_dim - 1):
         return None
     from .fp8 import rotation_signs
-    return rotation_signs(head_dim, device)
+    return rotation_signs(head_dim, device).to(dtype)
 
 
 def quantize_keys(states: torch.Tensor) -> torch.Tensor:
     """Key states ``(B, H, S, D)`` as rows: times :func:`key_rotation` (in their own dtype),
     then :func:`quantize_rows`."""
-    signs = key_rotation(states.shape[-1], states.device)
+    signs = key_rotation(states.shape[-1], states.device, states.dtype)
     if signs is not None:
-        states = states @ signs.to(states.dtype)
+        states = states @ signs
     return quantize_rows(states)
 
 
@@ -115,9 +118,9 @@ def keys_from_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The keys :func:`quantize_keys`' rows hold, rotated back: ``rows S^T / D`` in fp32, then
     ``dtype``."""
     keys = dequantize_rows(rows, torch.float32)
-    signs = key_rotation(keys.shape[-1], keys.device)
+    signs = key_rotation(keys.shape[-1], keys.device, torch.float32)
     if signs is not None:
-        keys = keys @ signs.float().T / keys.shape[-1]
+        keys = keys @ signs.T / keys.shape[-1]
     return keys.to(dtype)
 
 

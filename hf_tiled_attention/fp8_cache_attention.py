@@ -22,9 +22,9 @@ import torch
 from .fp8_cache import (check_rows, dequantize_rows, is_fp8_rows, key_rotation, keys_from_rows,
                         row_head_dim, split_rows)
 from .kernel_params import LOG2E, MergeConstants
-from .launch import (MAX_SPLITS, MIN_TILES_PER_SPLIT, BufferViews, buffer_views,
-                     launch_device, merge_constants, next_power_of_two, packed_group_tile,
-                     scaled_scores)
+from .launch import (BufferViews, buffer_views, group_rows, kv_splits, launch_device,
+                     merge_constants, next_power_of_two, packed_group_tile, scaled_scores,
+                     split_buffers)
 from .layer_call import LayerCall, read_call, route_for
 from .memo import memoize
 from .reference import empty_output
@@ -33,7 +33,9 @@ from .schedule import (DECODE_QUERY_ROWS, FP8_CACHE_KEYS, FP8_CACHE_OCCUPANCY,
 
 __all__ = ["attend_cache_rows", "cache_kernels_run_on", "decode", "decode_plan", "decode_step"]
 
-_PACKED = Schedule(pack_gqa=True)  # (packed_group_tile reads only this field)
+# What launch.py's packing and key-split rules read of a schedule: pack GQA heads into a tile,
+# split the keys automatically.
+_DECODE = Schedule(pack_gqa=True, kv_splits=0)
 
 
 @memoize(64)
@@ -122,9 +124,9 @@ def decode_step(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.T
     matmul) and the scale divided by ``D`` (``S S^T = D I``), then :func:`decode`."""
     dim = query.shape[-1]
     scale = float(scale) if scale is not None else dim ** -0.5
-    signs = key_rotation(dim, query.device)
+    signs = key_rotation(dim, query.device, query.dtype)
     if signs is not None:
-        query, scale = query @ signs.to(query.dtype), scale / dim
+        query, scale = query @ signs, scale / dim
     return decode(query, key_rows, value_rows, key_mask, causal=causal, scale=scale,
                   window=window, softcap=softcap, diag_offset=diag_offset, sinks=sinks)
 
@@ -187,17 +189,13 @@ def decode_plan(batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int
     fill one wave of ``sm_count`` SMs (0: not split)."""
     from . import fp8_cache_kernel as K
     group = heads_q // heads_kv
-    g_tile = packed_group_tile(_PACKED, seq_q, group, None)
+    g_tile = packed_group_tile(_DECODE, seq_q, group, None)
     pack = min(group, g_tile)
     heads_grid = heads_q // pack
     rows = FP8_CACHE_ROWS // g_tile
     m_tiles = math.ceil(seq_q / rows)
-    blocks = m_tiles * heads_grid * batch
-    key_tiles = math.ceil(seq_kv / FP8_CACHE_KEYS)
-    splits = 1
-    if sm_count and blocks < sm_count:
-        splits = max(1, min(sm_count * FP8_CACHE_OCCUPANCY // blocks,
-                            key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    splits = kv_splits(_DECODE, m_tiles * heads_grid * batch, math.ceil(seq_kv / FP8_CACHE_KEYS),
+                       sm_count, FP8_CACHE_OCCUPANCY, launch_bound=False)
     constants = [0] * K.CONSTANTS
     constants[K.ROWS], constants[K.G_TILE], constants[K.GROUP] = rows, g_tile, group // pack
     constants[K.TILE_N], constants[K.TILE_D] = FP8_CACHE_KEYS, head_dim_tile(head_dim)
@@ -222,7 +220,6 @@ def decode_launches(query: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     """``(out, lse, [(kernel, grid, arguments)])`` of a decode step (meta tensors are fine):
     the decode kernel and, with split keys, the merge. ``keep_for_stream``: the split
     workspace is kept for that stream's next calls (launch.py)."""
-    from .launch import _group_rows, _split_buffers
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_kv = key_rows.shape[1], key_rows.shape[2]
     plan = decode_plan(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, causal, window > 0,
@@ -232,7 +229,7 @@ def decode_launches(query: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows = _group_rows(query, views.group_rows)
+        q_rows = group_rows(query, views.group_rows)
         out_rows, lse_rows = out.as_strided(*views.out_rows), lse.as_strided(*views.lse_rows)
     k8, k_scale = split_rows(key_rows)
     v8, v_scale = split_rows(value_rows)
@@ -243,7 +240,7 @@ def decode_launches(query: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
         return out, lse, [(kernels[0], plan.grid, (
             q_rows, k8, k_scale, v8, v_scale, mask_arg, out_rows, lse_rows, score_scale,
             softcap_out, diag_offset, window, 1, plan.constants))]
-    part_out, part_lse, _ = _split_buffers(views, query.device, keep_for_stream)
+    part_out, part_lse, _ = split_buffers(views, query.device, keep_for_stream)
     return out, lse, [
         (kernels[0], plan.grid, (q_rows, k8, k_scale, v8, v_scale, mask_arg, part_out,
                                  part_lse, score_scale, softcap_out, diag_offset, window,

@@ -422,12 +422,12 @@ def placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholder
 
 
 _kept_placeholders = Memo("launch placeholders", 16)
-# Key-split workspaces kept for reuse (see _split_buffers), and the most bytes they may hold.
+# Key-split workspaces kept for reuse (see split_buffers), and the most bytes they may hold.
 _split_workspaces = Memo("key-split workspaces", 256)
 _MAX_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
-def _split_buffers(views: "BufferViews", device: torch.device,
+def split_buffers(views: "BufferViews", device: torch.device,
                    stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(partial outputs, partial LSEs, arrival counts) of a launch that splits its keys: fp32
     views into one workspace, and the zeroed int32 counts (the kernel leaves them zero). With a
@@ -526,7 +526,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows, out_rows = _group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
+        q_rows, out_rows = group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     if plan.lean:
@@ -535,7 +535,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     if lse_rows is None:
         lse_rows = unused.lse
     # fp32 partial results per key slice, and the counts that find each query tile's last block
-    split = () if views.part_out is None else _split_buffers(views, device, keep_for_stream)
+    split = () if views.part_out is None else split_buffers(views, device, keep_for_stream)
     mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
@@ -548,7 +548,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                          captures) + split, out, lse)
 
 
-def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+def group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
     """``(B, Hq, Sq, D)`` seen as ``(B, Hkv, Sq, group, D)``: each kv head's query heads side
     by side in a row, whatever the tensor's strides (a view, no copy; as_strided keeps the
     tensor's storage offset)."""
@@ -556,7 +556,7 @@ def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 
 def _grouped_strides(stride: tuple, pack: int) -> tuple:
-    """The strides of :func:`_group_rows`'s view of a tensor with these strides."""
+    """The strides of :func:`group_rows`'s view of a tensor with these strides."""
     return (stride[0], pack * stride[1], stride[2], stride[1], stride[3])
 
 
