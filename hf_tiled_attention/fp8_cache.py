@@ -30,7 +30,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from .kernel_params import AMAX_FLOOR, E4M3_MAX
+from .kernel_params import AMAX_FLOOR, E4M3_MAX, SCALE_PER_AMAX
 from .memo import memoize
 
 __all__ = ["Fp8DynamicCache", "Fp8StaticCache", "dequantize_rows", "is_fp8_rows",
@@ -88,7 +88,9 @@ def quantize_rows_torch(states: torch.Tensor) -> torch.Tensor:
     rows = torch.zeros(*states.shape[:-1], dim + ROW_EXTRA, dtype=torch.uint8,
                        device=states.device)
     rows[..., :dim] = values.view(torch.uint8)
-    rows[..., dim:dim + SCALE_BYTES] = (amax / E4M3_MAX).view(torch.uint8)
+    # the scale written through the rows' fp32 view: a bit view of the (..., 1) scale itself
+    # fails under inductor, which may give its last dim a stride other than 1
+    rows.view(torch.float32)[..., dim // SCALE_BYTES] = amax.squeeze(-1) * SCALE_PER_AMAX
     return rows
 
 

@@ -11,7 +11,7 @@ results that :func:`merge_splits` combines (merge.py) in a second launch: mergin
 same launch, as the bf16 kernel's split entry does, crashes tileiras 13.4 for sm_100.
 
 :func:`quantize_tokens`: one block per tile of tokens of one head: each token's largest
-magnitude, ``x * (448 / amax)`` rounded to e4m3 and ``amax / 448`` written into its row
+magnitude, ``x * (448 / amax)`` rounded to e4m3 and ``amax * (1 / 448)`` written into its row
 (fp8_cache.quantize_rows_torch rounds the same way).
 """
 
@@ -19,7 +19,7 @@ import math
 
 import cuda.tile as ct
 
-from .kernel_params import AMAX_FLOOR, E4M3_MAX, LN2
+from .kernel_params import AMAX_FLOOR, E4M3_MAX, LN2, SCALE_PER_AMAX
 from .fp8_quant_kernel import TILE_D as QUANT_D
 from .fp8_quant_kernel import TILE_T as QUANT_TOKENS
 from .fp8_quant_kernel import token_tile
@@ -38,7 +38,10 @@ WINDOWED = 6
 SOFTCAP = 7
 KEY_MASK = 8    # KeyMask (B, Skv) uint8 hides keys
 SPLIT = 9       # keys split: write partial results (PartOut / PartLse) for merge_splits
-CONSTANTS = 10
+K_LATENCY = 10  # load latency hints (schedule.FP8_CACHE_LATENCY)
+V_LATENCY = 11
+K_ROWS = 12     # K tiles loaded as (keys, D), as stored, and transposed in registers
+CONSTANTS = 13
 # quantize_tokens' constants tuple: fp8_quant_kernel's first two fields (TILE_T, tokens per
 # block, as QUANT_TOKENS; TILE_D, the head dim's tile, as QUANT_D), read by its token_tile
 
@@ -89,10 +92,16 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((TILE_M, TD), 0.0, dtype=ct.float32)
     for j in range(first, end):
-        k = ct.load(K8, index=(batch, kv_head, 0, j), shape=(1, 1, TD, TN), order=(0, 1, 3, 2),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((TD, TN)).astype(q.dtype)
+        if C[K_ROWS]:
+            k = ct.transpose(ct.load(K8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
+                                     padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY])
+                             .reshape((TN, TD)).astype(q.dtype))
+        else:
+            k = ct.load(K8, index=(batch, kv_head, 0, j), shape=(1, 1, TD, TN),
+                        order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
+                        latency=C[K_LATENCY]).reshape((TD, TN)).astype(q.dtype)
         k_scale = ct.load(KScale, index=(batch, kv_head, j), shape=(1, 1, TN),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((1, TN))
+                          padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY]).reshape((1, TN))
         s = ct.mma(q, k, ct.full((TILE_M, TN), 0.0, dtype=ct.float32)) * (k_scale * score_scale)
         if C[SOFTCAP]:
             s = ct.tanh(s) * softcap_out
@@ -110,9 +119,10 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
         alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
         l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
         v = ct.load(V8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((TN, TD)).astype(q.dtype)
+                    padding_mode=ct.PaddingMode.ZERO,
+                    latency=C[V_LATENCY]).reshape((TN, TD)).astype(q.dtype)
         v_scale = ct.load(VScale, index=(batch, kv_head, j), shape=(1, 1, TN),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((1, TN))
+                          padding_mode=ct.PaddingMode.ZERO, latency=C[V_LATENCY]).reshape((1, TN))
         # V's per-key scales on the probabilities' columns, times 448 (undone at the end):
         # p * amax keeps fp16's range where p * amax / 448 could fall below its normals
         acc = ct.mma((p * (v_scale * E4M3_MAX)).astype(q.dtype), v, acc * alpha)
@@ -151,7 +161,7 @@ def quantize_tokens(X, Values, Scales, C: ct.Constant):
     x8 = ct.minimum(ct.maximum(x * (E4M3_MAX / amax), -E4M3_MAX), E4M3_MAX)
     ct.store(Values, index=(batch, head, tile, 0),
              tile=x8.astype(ct.float8_e4m3fn).reshape((1, 1, T, TD)))
-    ct.store(Scales, index=(batch, head, tile), tile=(amax / E4M3_MAX).reshape((1, 1, T)))
+    ct.store(Scales, index=(batch, head, tile), tile=(amax * SCALE_PER_AMAX).reshape((1, 1, T)))
 
 
 decode_cache_rows_kernel = ct.kernel(decode_cache_rows)

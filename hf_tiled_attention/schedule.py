@@ -510,4 +510,6 @@ def fp8_tiles(head_dim: int) -> tuple[int, int]:
 FP8_CACHE_KEYS = 64
 FP8_CACHE_ROWS = 64
 FP8_CACHE_OCCUPANCY = 2
+FP8_CACHE_LATENCY = (2, 4)  # K's and V's load latency hints, as the bf16 kernel's
+FP8_CACHE_K_ROWS = False    # K tiles loaded as stored, (keys, D), and transposed in registers
 FP8_CACHE_QUANT_TOKENS = 64

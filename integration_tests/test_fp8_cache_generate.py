@@ -188,13 +188,11 @@ def _count_decodes(monkeypatch) -> list:
     return calls
 
 
-def _stepwise_logits(model, sequences, mask, prompt: int, new: int):
-    """The logits of each generated step, fed token by token into a fresh FP8 cache with the
-    decode kernel off (the dequantised rows through the bf16 kernels): the same cache contents
-    as generate()'s."""
-    cache = hta.Fp8DynamicCache(config=model.config)
+def _stepwise_logits(model, cache, sequences, mask, prompt: int, new: int):
+    """The logits of each generated step of ``sequences``, fed token by token into ``cache``
+    as generate() feeds them (left-padded positions)."""
     full = torch.cat([mask, mask.new_ones(mask.shape[0], new)], 1)
-    positions = (full.cumsum(-1) - 1).clamp_min(0)  # as generate() counts left-padded rows
+    positions = (full.cumsum(-1) - 1).clamp_min(0)
     steps = []
     with torch.no_grad():
         out = model(sequences[:, :prompt], attention_mask=full[:, :prompt],
@@ -211,6 +209,11 @@ def _stepwise_logits(model, sequences, mask, prompt: int, new: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_generate_decodes_from_the_rows(name, monkeypatch):
+    """bf16 generate() with the decode kernel, against fp32 eager over a cache holding the
+    same roundings (fed the generated tokens): within twice the error of the bf16 run whose
+    decode steps attend to the dequantised rows instead (the kernel off) plus bf16's step.
+    Both bf16 runs round each new key and value from states that differ from fp32's by bf16
+    noise, so an e4m3 neighbour now and then: that noise is the yardstick."""
     _fp8_gpu()
     model = build(name, "tiled").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = padded_batch([40, 25, 33], 40, "left", seed=7, device="cuda")
@@ -223,11 +226,16 @@ def test_generate_decodes_from_the_rows(name, monkeypatch):
                              past_key_values=hta.Fp8DynamicCache(config=model.config))
     assert len(calls) == model.config.num_hidden_layers * (new - 1)
     got = torch.stack(out.logits, 1).float()
+    fp32 = build(name, "eager").to("cuda")
+    exact = _stepwise_logits(fp32, _rounded(DynamicCache(config=fp32.config)), out.sequences,
+                             mask, 40, new)
     monkeypatch.setattr(fp8_cache_attention, "_kernel_computes", lambda call, key_mask: False)
-    want = _stepwise_logits(model, out.sequences, mask, 40, new)
+    off = _stepwise_logits(model, hta.Fp8DynamicCache(config=model.config), out.sequences,
+                           mask, 40, new)
     assert len(calls) == model.config.num_hidden_layers * (new - 1), "the kernel was off"
-    # the same rounded keys and values; bf16 noise only
-    assert (got - want).abs().max().item() < 0.1
+    kernel_err = (got - exact).abs().max().item()
+    off_err = (off - exact).abs().max().item()
+    assert kernel_err <= 2 * off_err + 0.1, (kernel_err, off_err)
 
 
 @pytest.mark.gpu

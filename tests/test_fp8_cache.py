@@ -11,7 +11,7 @@ from hf_tiled_attention import fp8_cache, fp8_cache_attention
 from hf_tiled_attention.fp8_cache import (ROW_EXTRA, dequantize_rows, key_rotation,
                                           keys_from_rows, quantize_keys, quantize_rows,
                                           quantize_rows_torch, split_rows)
-from hf_tiled_attention.kernel_params import E4M3_MAX
+from hf_tiled_attention.kernel_params import E4M3_MAX, SCALE_PER_AMAX
 
 E4M3_STEP = 2.0 ** -3  # e4m3's relative spacing (3 mantissa bits)
 
@@ -32,7 +32,7 @@ def test_rows_hold_values_scale_and_padding():
     assert scales.dtype == torch.float32 and scales.shape == (2, 3, 37)
     assert values.data_ptr() == rows.data_ptr(), "views, not copies"
     amax = x.float().abs().amax(-1)
-    torch.testing.assert_close(scales, amax / E4M3_MAX, rtol=0, atol=0)
+    torch.testing.assert_close(scales, amax * SCALE_PER_AMAX, rtol=0, atol=0)
     assert rows[..., 64 + 4:].eq(0).all()
     # every row's largest value is 448 exactly: the scale uses e4m3's whole range
     assert values.float().abs().amax(-1).eq(E4M3_MAX).all()
