@@ -40,8 +40,10 @@ KEY_MASK = 8    # KeyMask (B, Skv) uint8 hides keys
 SPLIT = 9       # keys split: write partial results (PartOut / PartLse) for merge_splits
 K_LATENCY = 10  # load latency hints (schedule.FP8_CACHE_LATENCY)
 V_LATENCY = 11
-K_ROWS = 12     # K tiles loaded as (keys, D), as stored, and transposed in registers
-CONSTANTS = 13
+QK_PARTS = 12   # 0: K converted to the query's type for a 16-bit QK^T; 1 or 2: the query as
+                # that many e4m3 parts (the second its rounding error x16), QK^T in e4m3
+PV_FP8 = 13     # PV in e4m3: probabilities times V's scales over the tile's largest, x448
+CONSTANTS = 14
 # quantize_tokens' constants tuple: fp8_quant_kernel's first two fields (TILE_T, tokens per
 # block, as QUANT_TOKENS; TILE_D, the head dim's tile, as QUANT_D), read by its token_tile
 
@@ -88,21 +90,34 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
     col_in_tile = ct.arange(TN, dtype=ct.int32)[None, :]
 
     q = load_rows(Q, batch, head, m_tile, 0, R, G, TD)
+    if C[QK_PARTS]:
+        # Each row scaled to e4m3's range; K's e4m3 tiles then feed the MMA as stored
+        qf = q.astype(ct.float32)
+        q_amax = ct.maximum(ct.max(ct.abs(qf), axis=-1, keepdims=True), AMAX_FLOOR)
+        q_hi = qf * (E4M3_MAX / q_amax)
+        q8 = q_hi.astype(ct.float8_e4m3fn)
+        q8_lo = ((q_hi - q8.astype(ct.float32)) * 16.0).astype(ct.float8_e4m3fn)
+        q_unit = q_amax * SCALE_PER_AMAX
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((TILE_M, TD), 0.0, dtype=ct.float32)
     for j in range(first, end):
-        if C[K_ROWS]:
-            k = ct.transpose(ct.load(K8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
-                                     padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY])
-                             .reshape((TN, TD)).astype(q.dtype))
+        k_scale = ct.load(KScale, index=(batch, kv_head, j), shape=(1, 1, TN),
+                          padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY]).reshape((1, TN))
+        zeros = ct.full((TILE_M, TN), 0.0, dtype=ct.float32)
+        if C[QK_PARTS]:
+            k8 = ct.transpose(ct.load(K8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
+                                      padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY])
+                              .reshape((TN, TD)))
+            qk = zeros
+            if C[QK_PARTS] > 1:
+                qk = ct.mma(q8_lo, k8, zeros) * (1.0 / 16.0)
+            s = ct.mma(q8, k8, qk) * (q_unit * (k_scale * score_scale))
         else:
             k = ct.load(K8, index=(batch, kv_head, 0, j), shape=(1, 1, TD, TN),
                         order=(0, 1, 3, 2), padding_mode=ct.PaddingMode.ZERO,
                         latency=C[K_LATENCY]).reshape((TD, TN)).astype(q.dtype)
-        k_scale = ct.load(KScale, index=(batch, kv_head, j), shape=(1, 1, TN),
-                          padding_mode=ct.PaddingMode.ZERO, latency=C[K_LATENCY]).reshape((1, TN))
-        s = ct.mma(q, k, ct.full((TILE_M, TN), 0.0, dtype=ct.float32)) * (k_scale * score_scale)
+            s = ct.mma(q, k, zeros) * (k_scale * score_scale)
         if C[SOFTCAP]:
             s = ct.tanh(s) * softcap_out
         cols = j * TN + col_in_tile
@@ -118,14 +133,21 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
         p = ct.exp2(s - m_shift, flush_to_zero=True)
         alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
         l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-        v = ct.load(V8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
-                    padding_mode=ct.PaddingMode.ZERO,
-                    latency=C[V_LATENCY]).reshape((TN, TD)).astype(q.dtype)
+        v8 = ct.load(V8, index=(batch, kv_head, j, 0), shape=(1, 1, TN, TD),
+                     padding_mode=ct.PaddingMode.ZERO,
+                     latency=C[V_LATENCY]).reshape((TN, TD))
         v_scale = ct.load(VScale, index=(batch, kv_head, j), shape=(1, 1, TN),
                           padding_mode=ct.PaddingMode.ZERO, latency=C[V_LATENCY]).reshape((1, TN))
         # V's per-key scales on the probabilities' columns, times 448 (undone at the end):
         # p * amax keeps fp16's range where p * amax / 448 could fall below its normals
-        acc = ct.mma((p * (v_scale * E4M3_MAX)).astype(q.dtype), v, acc * alpha)
+        if C[PV_FP8]:
+            v_top = ct.max(v_scale, axis=-1, keepdims=True)
+            p8 = (p * (v_scale * (E4M3_MAX / v_top))).astype(ct.float8_e4m3fn)
+            acc = acc * alpha + ct.mma(p8, v8, ct.full((TILE_M, TD), 0.0,
+                                                       dtype=ct.float32)) * v_top
+        else:
+            acc = ct.mma((p * (v_scale * E4M3_MAX)).astype(q.dtype), v8.astype(q.dtype),
+                         acc * alpha)
         m_i = m_new
 
     # Rows that saw no key: output 0, LSE -inf (a NaN in the cache reaches its rows).

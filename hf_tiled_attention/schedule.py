@@ -511,5 +511,6 @@ FP8_CACHE_KEYS = 64
 FP8_CACHE_ROWS = 64
 FP8_CACHE_OCCUPANCY = 2
 FP8_CACHE_LATENCY = (2, 4)  # K's and V's load latency hints, as the bf16 kernel's
-FP8_CACHE_K_ROWS = False    # K tiles loaded as stored, (keys, D), and transposed in registers
+FP8_CACHE_QK_PARTS = 0      # QK^T: 0 in 16 bits (K converted); 1 or 2 e4m3 query parts
+FP8_CACHE_PV_FP8 = False    # PV in e4m3 (the probabilities rounded to e4m3) or in 16 bits
 FP8_CACHE_QUANT_TOKENS = 64
