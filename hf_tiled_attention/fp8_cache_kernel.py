@@ -41,8 +41,9 @@ SPLIT = 9       # keys split: write partial results (PartOut / PartLse) for merg
 K_LATENCY = 10  # load latency hints (schedule.FP8_CACHE_LATENCY)
 V_LATENCY = 11
 QK_PARTS = 12   # 0: K converted to the query's type for a 16-bit QK^T; 1 or 2: the query as
-                # that many e4m3 parts (the second its rounding error x16), QK^T in e4m3
-PV_FP8 = 13     # PV in e4m3: probabilities times V's scales over the tile's largest, x448
+                # that many e4m3 parts (the second the first's rounding error), QK^T in e4m3
+PV_PARTS = 13   # 0: V converted for a 16-bit PV; 1 or 2: the probabilities (times V's scales
+                # over the tile's largest, x448) as that many e4m3 parts, PV in e4m3
 CONSTANTS = 14
 # quantize_tokens' constants tuple: fp8_quant_kernel's first two fields (TILE_T, tokens per
 # block, as QUANT_TOKENS; TILE_D, the head dim's tile, as QUANT_D), read by its token_tile
@@ -96,7 +97,10 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
         q_amax = ct.maximum(ct.max(ct.abs(qf), axis=-1, keepdims=True), AMAX_FLOOR)
         q_hi = qf * (E4M3_MAX / q_amax)
         q8 = q_hi.astype(ct.float8_e4m3fn)
-        q8_lo = ((q_hi - q8.astype(ct.float32)) * 16.0).astype(ct.float8_e4m3fn)
+        # the second part is the first's rounding error: ~8 significant bits together, as
+        # bf16's; parts of a row's small elements may fall in e4m3's subnormals, but those
+        # lose no more than 2^-10 of a row whose largest element is 448
+        q8_lo = (q_hi - q8.astype(ct.float32)).astype(ct.float8_e4m3fn)
         q_unit = q_amax * SCALE_PER_AMAX
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
@@ -111,7 +115,7 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
                               .reshape((TN, TD)))
             qk = zeros
             if C[QK_PARTS] > 1:
-                qk = ct.mma(q8_lo, k8, zeros) * (1.0 / 16.0)
+                qk = ct.mma(q8_lo, k8, zeros)
             s = ct.mma(q8, k8, qk) * (q_unit * (k_scale * score_scale))
         else:
             k = ct.load(K8, index=(batch, kv_head, 0, j), shape=(1, 1, TD, TN),
@@ -140,11 +144,16 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
                           padding_mode=ct.PaddingMode.ZERO, latency=C[V_LATENCY]).reshape((1, TN))
         # V's per-key scales on the probabilities' columns, times 448 (undone at the end):
         # p * amax keeps fp16's range where p * amax / 448 could fall below its normals
-        if C[PV_FP8]:
-            v_top = ct.max(v_scale, axis=-1, keepdims=True)
-            p8 = (p * (v_scale * (E4M3_MAX / v_top))).astype(ct.float8_e4m3fn)
-            acc = acc * alpha + ct.mma(p8, v8, ct.full((TILE_M, TD), 0.0,
-                                                       dtype=ct.float32)) * v_top
+        if C[PV_PARTS]:
+            # floored: a tile of a static cache's unwritten rows has scales 0 (and p 0)
+            v_top = ct.maximum(ct.max(v_scale, axis=-1, keepdims=True), AMAX_FLOOR * SCALE_PER_AMAX)
+            p_hi = p * (v_scale * (E4M3_MAX / v_top))
+            p8 = p_hi.astype(ct.float8_e4m3fn)
+            # acc in this tile's units: the MMAs accumulate into it (no second fp32 tile)
+            acc = acc * (alpha / v_top)
+            if C[PV_PARTS] > 1:
+                acc = ct.mma((p_hi - p8.astype(ct.float32)).astype(ct.float8_e4m3fn), v8, acc)
+            acc = ct.mma(p8, v8, acc) * v_top
         else:
             acc = ct.mma((p * (v_scale * E4M3_MAX)).astype(q.dtype), v8.astype(q.dtype),
                          acc * alpha)

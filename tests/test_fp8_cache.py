@@ -231,4 +231,4 @@ def test_hopper_decode_kernel_has_no_spills():
         except FileNotFoundError:
             pytest.skip("no nvdisasm")
         assert info["stack"] == 0 and info["local"] == 0, info
-        assert info["ops"].get("HGMMA", 0) > 0, "the warpgroup MMA"
+        assert info["ops"].get("QGMMA", 0) > 0, "the e4m3 warpgroup MMA"

@@ -116,3 +116,21 @@ def test_empty_rows_give_zero():
     mask = torch.zeros(1, 1, 1, 300, dtype=torch.bool, device="cuda")
     out = fp8_cache_attention.decode(q, rows, rows, mask, causal=True)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_unwritten_rows_stay_hidden():
+    """A static cache's rows past the written keys are zeros (scale 0); the mask hides them, and
+    whole key tiles of them must give no NaN (V's tile scale is floored)."""
+    _fp8_gpu()
+    q = _states((2, 16, 1, 128), seed=5)
+    k_rows = quantize_rows(_states((2, 4, 1000, 128), seed=6))
+    v_rows = quantize_rows(_states((2, 4, 1000, 128), seed=7))
+    k_rows[:, :, 600:] = 0
+    v_rows[:, :, 600:] = 0
+    mask = torch.zeros(2, 1, 1, 1000, dtype=torch.bool, device="cuda")
+    mask[..., :600] = True
+    out = fp8_cache_attention.decode(q, k_rows, v_rows, mask, causal=False)
+    k, v = (dequantize_rows(r[:, :, :600], torch.float32) for r in (k_rows, v_rows))
+    want = definition(q.double(), k.double(), v.double(), None)[0]
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, want) < 1e-2
