@@ -506,7 +506,9 @@ def fp8_tiles(head_dim: int) -> tuple[int, int]:
 
 # The FP8 KV cache's decode kernel (fp8_cache_kernel.py): keys per step, rows per tile (the
 # warpgroup MMA's 64; 128-row tiles spill at D = 128 in sm_90 cubins), blocks per SM, and the
-# tokens per block of its quantisation kernel. Not yet tuned on a GPU.
+# tokens per block of its quantisation kernel, and its MMAs' operands. The H200 sweep of session
+# 33 (0/0: 0.34-0.45x the bf16 decode; 2/1: 0.77-0.88x, but 2.7e-2 of error from one e4m3
+# part of the probabilities) led to two parts each, not yet timed.
 FP8_CACHE_KEYS = 64
 FP8_CACHE_ROWS = 64
 FP8_CACHE_OCCUPANCY = 2
