@@ -3,10 +3,12 @@ from the cache's e4m3 rows, and the quantisation of new states into rows.
 
 :func:`decode_cache_rows`: one block per (query tile, key split) of one grid head (a kv head
 whose query heads share the tile's rows when ``G_TILE`` > 1, as the bf16 kernel's packed decode
-tiles: tile_rows.py) and batch row. Each key tile's e4m3 values are converted to the query's
-16-bit type in registers (exact: every e4m3 value is a bf16 and an fp16 value) and the scales
-are applied to the scores' columns (K's) and to the probabilities' columns (V's), so the MMAs
-are the bf16 kernel's and the cache is read once, at 8 bits. Key splits write fp32 partial
+tiles: tile_rows.py) and batch row. By default both MMAs are e4m3 (QK_PARTS, PV_PARTS): K's
+tiles feed QK^T as stored against the query as two e4m3 parts, and the probabilities times V's
+scales enter PV as two parts (the second part the first's rounding error: ~8 bits, as bf16);
+with 0 parts a tile's e4m3 values are converted to the query's 16-bit type in registers
+(exact) for the bf16 kernel's MMAs. The scales go on the scores' columns (K's) and the
+probabilities' columns (V's); the cache is read once, at 8 bits. Key splits write fp32 partial
 results that :func:`merge_splits` combines (merge.py) in a second launch: merging them in the
 same launch, as the bf16 kernel's split entry does, crashes tileiras 13.4 for sm_100.
 
@@ -142,8 +144,7 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
                      latency=C[V_LATENCY]).reshape((TN, TD))
         v_scale = ct.load(VScale, index=(batch, kv_head, j), shape=(1, 1, TN),
                           padding_mode=ct.PaddingMode.ZERO, latency=C[V_LATENCY]).reshape((1, TN))
-        # V's per-key scales on the probabilities' columns, times 448 (undone at the end):
-        # p * amax keeps fp16's range where p * amax / 448 could fall below its normals
+        # V's per-key scales on the probabilities' columns, times 448 (undone at the end)
         if C[PV_PARTS]:
             # floored: a tile of a static cache's unwritten rows has scales 0 (and p 0)
             v_top = ct.maximum(ct.max(v_scale, axis=-1, keepdims=True), AMAX_FLOOR * SCALE_PER_AMAX)
@@ -154,7 +155,7 @@ def decode_cache_rows(Q, K8, KScale, V8, VScale, KeyMask, Out, Lse, score_scale:
             if C[PV_PARTS] > 1:
                 acc = ct.mma((p_hi - p8.astype(ct.float32)).astype(ct.float8_e4m3fn), v8, acc)
             acc = ct.mma(p8, v8, acc) * v_top
-        else:
+        else:  # p * amax keeps fp16's range where p * amax / 448 could fall below its normals
             acc = ct.mma((p * (v_scale * E4M3_MAX)).astype(q.dtype), v8.astype(q.dtype),
                          acc * alpha)
         m_i = m_new
