@@ -3,11 +3,12 @@ from the cache's e4m3 rows, and the quantisation of new states into rows.
 
 :func:`decode_cache_rows`: one block per (query tile, key split) of one grid head (a kv head
 whose query heads share the tile's rows when ``G_TILE`` > 1, as the bf16 kernel's packed decode
-tiles: tile_rows.py) and batch row. By default both MMAs are e4m3 (QK_PARTS, PV_PARTS): K's
-tiles feed QK^T as stored against the query as two e4m3 parts, and the probabilities times V's
-scales enter PV as two parts (the second part the first's rounding error: ~8 bits, as bf16);
-with 0 parts a tile's e4m3 values are converted to the query's 16-bit type in registers
-(exact) for the bf16 kernel's MMAs. The scales go on the scores' columns (K's) and the
+tiles: tile_rows.py) and batch row. Each MMA either converts a tile's e4m3 values to the
+query's 16-bit type in registers (exact) for the bf16 kernel's MMAs (0 parts), or is itself an
+e4m3 MMA: the other operand enters as one or two e4m3 parts (the second the first's rounding
+error: ~8 bits together, as bf16's) against the tile as stored (QK_PARTS, PV_PARTS; the
+defaults, schedule.py: QK^T in 16 bits, as an e4m3 QK^T loses the small products beside an
+outlier channel's, and PV in e4m3 with two parts). The scales go on the scores' columns (K's) and the
 probabilities' columns (V's); the cache is read once, at 8 bits. Key splits write fp32 partial
 results that :func:`merge_splits` combines (merge.py) in a second launch: merging them in the
 same launch, as the bf16 kernel's split entry does, crashes tileiras 13.4 for sm_100.
