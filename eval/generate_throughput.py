@@ -20,6 +20,9 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 The backends take turns rep by rep, so slow phases of the host fall on all of them alike (and
 each rep's ratio compares runs seconds apart).
 
+``tiled_fp8_cache`` (asked for with ``--backends``) is "tiled" generating into the FP8 KV cache
+(``Fp8DynamicCache`` / ``Fp8StaticCache``: e4m3 rows, read by the decode kernel).
+
 ``--cache static`` is ``cache_implementation="static"``: transformers compiles the decode step
 (torch.compile, CUDA graphs) on the first call, which the warm-up absorbs. ``eager`` runs only
 where its O(S^2) attention scores fit (``skipped`` otherwise); a run out of memory is ``oom``.
@@ -43,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import (ResultsWriter, label_lengths, median_interval, progress,  # noqa: E402
                          results_dir, save_figure)
-from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
+from eval.models import (FP8_CACHE_BACKEND, SHAPES, build_config, build_models,  # noqa: E402
+                         model_device)
 
-BACKENDS = ["tiled", "sdpa", "eager"]
+BACKENDS = ["tiled", "sdpa", "eager"]  # and, asked for by name, FP8_CACHE_BACKEND
 CACHES = ["dynamic", "static"]
 COLUMNS = ["model", "layers", "backend", "cache", "batch", "prompt", "new_tokens", "ttft_ms",
            "tokens_per_s", "vs_sdpa", "vs_sdpa_low", "vs_sdpa_high", "peak_gib", "status",
@@ -55,17 +59,29 @@ COLUMNS = ["model", "layers", "backend", "cache", "batch", "prompt", "new_tokens
 EAGER_SCORE_SHARE = 0.4
 
 
-def timed_generate(model, ids, new_tokens: int, cache: str) -> float:
-    """Seconds of one greedy generate() call of exactly ``new_tokens`` new tokens."""
+def timed_generate(model, ids, new_tokens: int, cache: str, fp8_cache: bool = False) -> float:
+    """Seconds of one greedy generate() call of exactly ``new_tokens`` new tokens
+    (``fp8_cache``: into a new FP8 cache of the ``cache`` kind, made inside the timed call)."""
     if ids.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                   cache_implementation=cache)
+                   **cache_arguments(model, ids.shape[1] + new_tokens, cache, fp8_cache))
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def cache_arguments(model, length: int, cache: str, fp8_cache: bool) -> dict:
+    """generate()'s cache arguments: transformers' cache of the ``cache`` kind, or an FP8 cache
+    of that kind for ``length`` tokens."""
+    if not fp8_cache:
+        return dict(cache_implementation=cache)
+    if cache == "dynamic":
+        return dict(past_key_values=hf_tiled_attention.Fp8DynamicCache(config=model.config))
+    return dict(past_key_values=hf_tiled_attention.Fp8StaticCache(config=model.config,
+                                                                  max_cache_len=length))
 
 
 @torch.inference_mode()
@@ -90,8 +106,9 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
             for _ in range(count):
                 # The full run first: without a warm-up the first call's one-time costs fall
                 # on it, not on the prefill subtracted from it.
-                full = timed_generate(models[name], ids, new_tokens, cache)
-                timings.append((timed_generate(models[name], ids, 1, cache), full))
+                fp8 = name == FP8_CACHE_BACKEND
+                full = timed_generate(models[name], ids, new_tokens, cache, fp8)
+                timings.append((timed_generate(models[name], ids, 1, cache, fp8), full))
             if ids.is_cuda:
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**30)
             return timings
@@ -163,7 +180,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     on_gpu = any(r["peak_gib"] for r in ok)
     for (model, cache, batch), (ax_rate, ax_ttft) in zip(groups, axes):
         sel = [r for r in ok if (r["model"], r["cache"], r["batch"]) == (model, cache, batch)]
-        for backend in BACKENDS:
+        for backend in BACKENDS + [FP8_CACHE_BACKEND]:
             pts = sorted((r["prompt"], float(r["tokens_per_s"]), float(r["ttft_ms"]))
                          for r in sel if r["backend"] == backend)
             if pts:
@@ -199,7 +216,8 @@ def main(argv=None) -> int:
                              "--batch with every --prompt")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--cache", nargs="+", default=CACHES, choices=CACHES)
-    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--backends", nargs="+", default=BACKENDS,
+                        choices=BACKENDS + [FP8_CACHE_BACKEND])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)

@@ -59,7 +59,7 @@ def stubbed_launch():
 
     with contextlib.ExitStack() as stack:
         for target, value in ((op, {"kernel_available": lambda device: True,
-                                    "_sm_count": lambda device: 132,
+                                    "sm_count": lambda device: 132,
                                     "_arch_major": lambda device: 9}),
                               (ct, {"launch": lambda *args, **options: None}),
                               (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),

@@ -36,6 +36,13 @@ def build_config(name: str, layers: int):
     return AutoConfig.for_model(model_type, num_hidden_layers=layers, **spec)
 
 
+# "tiled" run into the FP8 KV cache (hf_tiled_attention.Fp8DynamicCache / Fp8StaticCache).
+FP8_CACHE_BACKEND = "tiled_fp8_cache"
+# Eval backends that are an attention implementation with something else of their own (the
+# cache they generate into): the implementation their model loads with.
+IMPLEMENTATIONS = {FP8_CACHE_BACKEND: "tiled"}
+
+
 def build_models(backends: list[str], config, dtype, device) -> dict:
     """One model per backend, same weights, each with a deep-copied config of its own (a model
     reads its backend from its config at run time)."""
@@ -43,16 +50,17 @@ def build_models(backends: list[str], config, dtype, device) -> dict:
     models = {}
     state = None
     for backend in backends:
+        implementation = IMPLEMENTATIONS.get(backend, backend)
         own = copy.deepcopy(config)
-        own._attn_implementation = backend
+        own._attn_implementation = implementation
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(own, dtype=dtype,
-                                                     attn_implementation=backend)
+                                                     attn_implementation=implementation)
         if state is None:
             state = model.state_dict()
         else:
             model.load_state_dict(state)
-        assert model.config._attn_implementation == backend
+        assert model.config._attn_implementation == implementation
         models[backend] = model.eval()
     assert len({id(m.config) for m in models.values()}) == len(models)
     return models

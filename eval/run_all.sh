@@ -43,6 +43,7 @@ python eval/finetune_parity.py --text-file "$texts/alice29.txt" || failed+=(fine
 python eval/context_parallel_balance.py || failed+=(context_parallel_balance)
 python eval/serve_throughput.py || failed+=(serve_throughput)
 python eval/paged_decode_bench.py || failed+=(paged_decode_bench)
+python eval/fp8_cache_decode_bench.py || failed+=(fp8_cache_decode_bench)
 python eval/fp8_numerics.py || failed+=(fp8_numerics)
 # Context parallelism over the host's GPUs; without two, a smoke run on 2 CPU processes (gloo).
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -18,6 +18,7 @@ from .sharded_attention import SequenceShards, sharded_attention
 if _importlib_util.find_spec("transformers") is not None:
     # Registers attn_implementation="tiled" (attention + mask function) on import.
     from .fp8_backend import register_fp8
+    from .fp8_cache import Fp8DynamicCache, Fp8StaticCache
     from .serving import check_serving, flash_kernel
     from .transformers_backend import register
 
@@ -39,5 +40,5 @@ __all__ = ["Schedule", "SequenceLayout", "SequenceShards", "ShardedBatch", "cach
            "kernel_available", "register", "set_deterministic", "shard_batch",
            "sharded_attention", "tiled_attention", "use_schedule", "varlen_attention"]
 if _importlib_util.find_spec("transformers") is not None:
-    __all__ += ["check_serving", "flash_kernel"]
+    __all__ += ["Fp8DynamicCache", "Fp8StaticCache", "check_serving", "flash_kernel"]
 __version__ = "0.1.0"

@@ -31,13 +31,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from .checks import check_inputs, check_options, check_sinks
-from .kernel_params import E4M3_MAX, LOG2E
+from .kernel_params import AMAX_FLOOR, E4M3_MAX, LOG2E
 from .launch import scaled_scores
 from .memo import memoize
 from .schedule import FP8_HINTS, fp8_quant_tokens, fp8_tiles, head_dim_tile
 
 ROTATION_SEED = 0
-_TINY = 1e-30  # the scale of an all-zero row (its e4m3 values are zeros either way)
 
 
 class Fp8Inputs(NamedTuple):
@@ -108,7 +107,7 @@ def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _token_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.abs().amax(-1).clamp_min(_TINY) / E4M3_MAX
+    scale = x.abs().amax(-1).clamp_min(AMAX_FLOOR) / E4M3_MAX
     return to_e4m3(x, scale[..., None]), scale
 
 
@@ -139,7 +138,7 @@ def quantize_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     q8, q_scale = _token_scaled(torch.nn.functional.pad(q - q_mean, pad) @ rot)
     k8, k_scale = _token_scaled(torch.nn.functional.pad(k, pad) @ rot)
     v = value.float()
-    v_scale = v.abs().amax(2).clamp_min(_TINY) / E4M3_MAX
+    v_scale = v.abs().amax(2).clamp_min(AMAX_FLOOR) / E4M3_MAX
     vt = torch.nn.functional.pad(v.transpose(2, 3), (0, -seq_kv % 16))
     vt8 = to_e4m3(vt, v_scale[..., None])
     return Fp8Inputs(q8, q_scale, k8, k_scale, k_bias.reshape(batch, heads_q, seq_kv), vt8,
@@ -163,7 +162,7 @@ def sequence_statistics(query, key, value) -> tuple[torch.Tensor, torch.Tensor, 
     one torch reduction reading the 16-bit input once (no fp32 copy)."""
     v_amax = torch.maximum(value.amax(2), value.amin(2).neg()).float()
     return (query.mean(2, dtype=torch.float32), key.mean(2, dtype=torch.float32),
-            v_amax.clamp_min(_TINY) / E4M3_MAX)
+            v_amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)
 
 
 def quantized_outputs(query, key, value, v_scale: torch.Tensor) -> Fp8Inputs:
@@ -348,20 +347,21 @@ def export_cubin(query, key, value, *, arch: str, is_causal=False, scale=None, w
     inputs = quantize_torch(query, key, value)  # on meta tensors: shapes, dtypes, strides
     out = torch.empty(query.shape, dtype=query.dtype, device="meta")
     _, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
-    return _export(_kernel(), args, arch)
+    return export_kernel_cubin(_kernel(), args, arch)
 
 
 def export_quantize_cubins(query, key, value, *, arch: str) -> list[bytes]:
     """The quantisation kernels' cubins, one per launch (Q, K, V), for these arguments (meta
     tensors are fine), built without a GPU."""
     _check(query, key, value, False, None, None, None, None)
-    return [_export(kernel, args, arch) for kernel, _, args in
+    return [export_kernel_cubin(kernel, args, arch) for kernel, _, args in
             quantize_launches(query, key, value)[1]]
 
 
-def _export(kernel, args: tuple, arch: str) -> bytes:
+def export_kernel_cubin(kernel, args: tuple, arch: str) -> bytes:
     """One kernel's cubin for a launch's arguments: tensors as launches see them, Python floats
-    as fp32 and ints as int32 scalars, the constants tuple last."""
+    as fp32 and ints as int32 scalars, constants tuples (``ct.Constant`` parameters) as they
+    are."""
     import io
 
     import cuda.tile as ct
@@ -370,9 +370,9 @@ def _export(kernel, args: tuple, arch: str) -> bytes:
 
     from .launch import array_constraint
     scalar = {float: ScalarConstraint(ct.float32), int: ScalarConstraint(ct.int32)}
-    constraints = [array_constraint(a) if isinstance(a, torch.Tensor) else scalar[type(a)]
-                   for a in args[:-1]]
-    signature = KernelSignature(constraints + [args[-1]], CallingConvention.cutile_python_v2())
+    constraints = [array_constraint(a) if isinstance(a, torch.Tensor)
+                   else a if isinstance(a, tuple) else scalar[type(a)] for a in args]
+    signature = KernelSignature(constraints, CallingConvention.cutile_python_v2())
     buffer = io.BytesIO()
     export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()

@@ -4,7 +4,8 @@ Registered on import beside "tiled" (same mask function, so the adapter sees wha
 call). A call is read as "tiled" reads it (layer_call.read_call); FP8 attention computes the
 rule (causal, window, bottom-right aligned), softcap and sinks; a call that needs more (padded
 or packed rows, a static cache's offset, a mask tensor, mods) is refused with the reason,
-never computed without it. Inference only: under autograd the call is an error that names
+never computed without it. An FP8 cache's rows (fp8_cache.py) are read as "tiled" reads them.
+Inference only: under autograd the call is an error that names
 "tiled" for training.
 """
 
@@ -15,6 +16,8 @@ from typing import Optional
 import torch
 
 from .fp8 import fp8_attention
+from .fp8_cache import is_fp8_rows
+from .fp8_cache_attention import attend_cache_rows
 from .layer_call import read_call
 
 FP8_NAME = "tiled_fp8"
@@ -34,7 +37,11 @@ def register_fp8(name: str = FP8_NAME) -> str:
 def fp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
                           dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """``AttentionInterface`` entry: ``(out (B, Sq, Hq, D), None)``."""
+    """``AttentionInterface`` entry: ``(out (B, Sq, Hq, D), None)``; ``key`` / ``value`` may be
+    an FP8 cache's rows (fp8_cache_attention.py)."""
+    if is_fp8_rows(key):
+        return attend_cache_rows(fp8_attention_forward, module, query, key, value,
+                                 attention_mask, scaling, dropout, kwargs)
     call = read_call(module, query, key, attention_mask, scaling, kwargs)
     needs = [what for what, present in (
         ("padded rows (a key padding mask)", call.mask is not None and not call.dense),

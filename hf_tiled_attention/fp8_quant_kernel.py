@@ -19,17 +19,15 @@ head:
 
 import cuda.tile as ct
 
-from .kernel_params import E4M3_MAX
+from .kernel_params import AMAX_FLOOR, E4M3_MAX
 
 # The constants tuple C (fp8.py builds it).
 TILE_T = 0    # tokens per block
 TILE_D = 1    # head dim rounded up to a power of two (extra columns read as zeros)
 GROUP = 2     # quantize_rows: query heads per key head whose bias rows to write (0: none)
 
-TINY = 1e-30  # the scale of an all-zero row, as fp8._TINY
 
-
-def _token_tile(X, C):
+def token_tile(X, C):
     """(tile, head, batch, this block's (T, D) fp32 tile of X), rows past the end zeros."""
     T = C[TILE_T]
     D = C[TILE_D]
@@ -50,7 +48,7 @@ def _channels(Stat, batch, head, D):
 def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct.Constant):
     T = C[TILE_T]
     D = C[TILE_D]
-    tile, head, batch, x = _token_tile(X, C)
+    tile, head, batch, x = token_tile(X, C)
     centred = x - _channels(Mean, batch, head, D)
     high = centred.astype(ct.bfloat16)
     low = (centred - high.astype(ct.float32)).astype(ct.bfloat16)
@@ -58,7 +56,7 @@ def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct
     rotated = ct.mma(high, rot, ct.full((T, D), 0.0, dtype=ct.float32))
     rotated = ct.mma(low, rot, rotated) * inv_sqrt_d
     amax = ct.max(ct.abs(rotated), axis=-1, keepdims=True)
-    amax = ct.maximum(amax, TINY)
+    amax = ct.maximum(amax, AMAX_FLOOR)
     scale = amax / E4M3_MAX
     # times the reciprocal, not divided per element (an IEEE division is a call per element);
     # a value may land one ulp from torch's x / scale, and round to the other e4m3 neighbour
@@ -78,7 +76,7 @@ def quantize_rows(X, Mean, Rot, X8, Scale, QMean, Bias, inv_sqrt_d: float, C: ct
 def quantize_values(V, VScale, Vt8, C: ct.Constant):
     T = C[TILE_T]
     D = C[TILE_D]
-    tile, head, batch, v = _token_tile(V, C)
+    tile, head, batch, v = token_tile(V, C)
     scale = _channels(VScale, batch, head, D)
     inverse = ct.where(scale == 0.0, 0.0, 1.0 / scale)  # 0: the padded channels
     v8 = ct.minimum(ct.maximum(v * inverse, -E4M3_MAX), E4M3_MAX).astype(ct.float8_e4m3fn)

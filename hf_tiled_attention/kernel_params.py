@@ -18,6 +18,11 @@ from typing import NamedTuple
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 E4M3_MAX = 448.0  # float8_e4m3fn's largest value (the FP8 kernel and its host side)
+AMAX_FLOOR = 1e-30  # the largest magnitude an all-zero row is scaled by (its e4m3 values are
+                    # zeros either way; a zero would make its scale's reciprocal infinite)
+# The FP8 cache's scale is amax times this (a product rounds the same in a kernel and in torch;
+# tileiras turns a division by a constant into one, so amax / 448 differed by an ulp)
+SCALE_PER_AMAX = 1.0 / E4M3_MAX
 
 # How a call's mask reaches the kernel (AttentionConstants.MASK_KIND).
 NO_MASK = 0

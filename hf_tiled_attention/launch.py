@@ -150,7 +150,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, options: CallOptions,
     g_tile = (1 if options.mods is not None
               else packed_group_tile(schedule, seq_q, group, options.mask_layout))
     if g_tile > 1:  # the smallest packed tile that holds the group's heads x positions
-        tile_m = min(max(PACKED_TILE_ROWS[0], g_tile * _next_power_of_two(seq_q)),
+        tile_m = min(max(PACKED_TILE_ROWS[0], g_tile * next_power_of_two(seq_q)),
                      schedule.pack_tile_m)
     else:
         tile_m = schedule.tile_m
@@ -166,7 +166,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, options: CallOptions,
     splits = 1
     if seq_q <= DECODE_QUERY_ROWS:  # key splits serve short queries only (Schedule.kv_splits)
         short_stream = 2 * visible * head_dim * query.element_size() < EAGER_SPLIT_MIN_BYTES
-        splits = _kv_splits(schedule, m_tiles * heads_grid * batch,
+        splits = kv_splits(schedule, m_tiles * heads_grid * batch,
                             math.ceil(visible / schedule.tile_n), sm_count,
                             compiler_hints(schedule, g_tile, tile_m)[1],
                             host_launched and short_stream)
@@ -176,7 +176,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, options: CallOptions,
     grid = (m_tiles * splits, heads_grid, batch)
     merge = None
     if splits > 1:  # the merge takes the query's own rows: at most 16 (DECODE_QUERY_ROWS)
-        merge = merge_constants(g_tile, min(rows, _next_power_of_two(seq_q)), splits, head_dim,
+        merge = merge_constants(g_tile, min(rows, next_power_of_two(seq_q)), splits, head_dim,
                                 options.return_lse)
     return LaunchPlan(variant=variant, grid=grid, diag_offset=diag_offset,
                       window=window or 0, kv_splits=splits, return_lse=options.return_lse,
@@ -197,15 +197,18 @@ def packed_group_tile(schedule: Schedule, seq_q: int, group: int,
         return 1
     if group > PACKED_MAX_GROUP:
         return PACKED_MAX_GROUP if group % PACKED_MAX_GROUP == 0 else 1
-    return _next_power_of_two(group)
+    return next_power_of_two(group)
 
 
-def _next_power_of_two(n: int) -> int:
+def next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
-               occupancy: int, launch_bound: bool) -> int:
+def kv_splits(schedule: Schedule, blocks: int, key_tiles: int, sm_count: int,
+              occupancy: int, launch_bound: bool) -> int:
+    """How many blocks share a query tile's keys: the schedule's ``kv_splits``, or (0) enough
+    to fill one wave of ``sm_count * occupancy`` blocks, each streaming at least
+    MIN_TILES_PER_SPLIT key tiles (1 when the GPU is full or the call is bound by the host)."""
     if schedule.kv_splits:
         return schedule.kv_splits
     if not sm_count or blocks >= sm_count or launch_bound:
@@ -297,9 +300,9 @@ def merge_constants(g_tile: int, rows: int, splits: int, head_dim: int,
                     write_lse: bool) -> MergeConstants:
     """The merge's tiling: ``rows`` query positions x ``g_tile`` heads x CHUNK_D columns at a
     time, and as many slices per load as MERGE_TILE_ELEMENTS allows."""
-    width = max(16, _next_power_of_two(head_dim))
+    width = max(16, next_power_of_two(head_dim))
     chunk = min(width, MERGE_CHUNK_D, max(16, MERGE_ROW_CHUNK_ELEMENTS // (rows * g_tile)))
-    split_tile = min(_next_power_of_two(splits),
+    split_tile = min(next_power_of_two(splits),
                      max(1, MERGE_TILE_ELEMENTS // (rows * g_tile * chunk)))
     return MergeConstants(MERGE_ROWS=rows, SPLIT_TILE=split_tile, CHUNK_D=chunk,
                           D_CHUNKS=width // chunk, MERGE_LSE=write_lse)
@@ -419,12 +422,12 @@ def placeholders(device: torch.device, lse_ndim: int, keep: bool) -> Placeholder
 
 
 _kept_placeholders = Memo("launch placeholders", 16)
-# Key-split workspaces kept for reuse (see _split_buffers), and the most bytes they may hold.
+# Key-split workspaces kept for reuse (see split_buffers), and the most bytes they may hold.
 _split_workspaces = Memo("key-split workspaces", 256)
 _MAX_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
-def _split_buffers(views: "BufferViews", device: torch.device,
+def split_buffers(views: "BufferViews", device: torch.device,
                    stream: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(partial outputs, partial LSEs, arrival counts) of a launch that splits its keys: fp32
     views into one workspace, and the zeroed int32 counts (the kernel leaves them zero). With a
@@ -523,7 +526,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
            if plan.return_lse else None)
     q_rows, out_rows, lse_rows = query, out, lse
     if views.group_rows is not None:  # packed: (B, Hkv, Sq, group, ...) views, no copies
-        q_rows, out_rows = _group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
+        q_rows, out_rows = group_rows(query, views.group_rows), out.as_strided(*views.out_rows)
         if lse is not None:
             lse_rows = lse.as_strided(*views.lse_rows)
     if plan.lean:
@@ -532,7 +535,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     if lse_rows is None:
         lse_rows = unused.lse
     # fp32 partial results per key slice, and the counts that find each query tile's last block
-    split = () if views.part_out is None else _split_buffers(views, device, keep_for_stream)
+    split = () if views.part_out is None else split_buffers(views, device, keep_for_stream)
     mask_arg, states, ranges = unused.mask, unused.states, unused.ranges
     if isinstance(mask, CompactMask):
         # The kernel reads bool masks as uint8 (same bytes); this runs inside the custom op, so
@@ -545,7 +548,7 @@ def launch_arrays(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
                          captures) + split, out, lse)
 
 
-def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+def group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
     """``(B, Hq, Sq, D)`` seen as ``(B, Hkv, Sq, group, D)``: each kv head's query heads side
     by side in a row, whatever the tensor's strides (a view, no copy; as_strided keeps the
     tensor's storage offset)."""
@@ -553,7 +556,7 @@ def _group_rows(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 
 def _grouped_strides(stride: tuple, pack: int) -> tuple:
-    """The strides of :func:`_group_rows`'s view of a tensor with these strides."""
+    """The strides of :func:`group_rows`'s view of a tensor with these strides."""
     return (stride[0], pack * stride[1], stride[2], stride[1], stride[3])
 
 

@@ -472,7 +472,7 @@ def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     explicit, causal = options.schedule, options.causal
 
     def plan_with(schedule: Schedule) -> LaunchPlan:
-        return plan_launch(query, key, options, schedule, sm_count=_sm_count(device),
+        return plan_launch(query, key, options, schedule, sm_count=sm_count(device),
                            host_launched=host_launched)
 
     tuned = None
@@ -498,7 +498,7 @@ def _arch_major(device: torch.device) -> int:
 
 
 @memoize(64)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -502,3 +502,18 @@ def fp8_tiles(head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the FP8 forward; the keys per tile also set where its CPU
     twin (fp8.reference) rounds the probabilities, so both read this."""
     return (128, 128) if head_dim <= 128 else (128, 64)
+
+
+# The FP8 KV cache's decode kernel (fp8_cache_kernel.py): keys per step, rows per tile (the
+# warpgroup MMA's 64; 128-row tiles spill at D = 128 in sm_90 cubins), blocks per SM, and the
+# tokens per block of its quantisation kernel, and its MMAs' operands. QK^T in 16 bits: in e4m3
+# (two query parts) the H200's suite measured 1.0-2.0e-2 of error where a channel of the query
+# and the key is 30x the rest (sm_90's e4m3 MMA sums its products aligned to the largest with
+# ~13 bits: perf-notes step 55); PV in e4m3, two parts (one part: 2.7e-2 of error, session 33).
+FP8_CACHE_KEYS = 64
+FP8_CACHE_ROWS = 64
+FP8_CACHE_OCCUPANCY = 2
+FP8_CACHE_LATENCY = (2, 4)  # K's and V's load latency hints, as the bf16 kernel's
+FP8_CACHE_QK_PARTS = 0      # QK^T: 0 in 16 bits (K converted); 1 or 2 e4m3 query parts
+FP8_CACHE_PV_PARTS = 2      # PV: 0 in 16 bits (V converted); 1 or 2 e4m3 probability parts
+FP8_CACHE_QUANT_TOKENS = 64

@@ -25,6 +25,8 @@ import torch
 
 from .checks import check_inputs
 from .documents import key_documents, same_document, same_document_dense
+from .fp8_cache import is_fp8_rows
+from .fp8_cache_attention import attend_cache_rows
 from .layer_call import LayerCall, active_owner, read_call, route_for
 from .masks import CompactMask, compact_mask
 from .memo import may_keep_device_memory, remembered
@@ -77,7 +79,11 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``query`` ``(B, Hq, Sq, D)`` (a strided view is fine),
-    ``key``/``value`` ``(B, Hkv, Skv, D)``, unrepeated. Returns ``(out (B, Sq, Hq, D), None)``."""
+    ``key``/``value`` ``(B, Hkv, Skv, D)``, unrepeated, or an FP8 cache's rows
+    (fp8_cache_attention.py). Returns ``(out (B, Sq, Hq, D), None)``."""
+    if is_fp8_rows(key):
+        return attend_cache_rows(tiled_attention_forward, module, query, key, value,
+                                 attention_mask, scaling, dropout, kwargs)
     repeat_key = None
     if type(attention_mask) is TiledMask and not torch.is_grad_enabled() and \
             not torch.compiler.is_compiling():

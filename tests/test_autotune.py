@@ -94,7 +94,7 @@ def stubbed_kernel(monkeypatch, tmp_path):
     plans = []
     monkeypatch.setattr(op, "kernel_available", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(op, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)
 
     def fake_run(plan, q, k, v, mask, eager=True, keep=None):
         plans.append(plan)

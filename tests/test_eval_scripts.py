@@ -130,6 +130,18 @@ def test_generate_cpu(tmp_path):
         generate_throughput.main(["--new-tokens", "1", "--out", str(tmp_path)])
 
 
+def test_generate_fp8_cache_backend_cpu(tmp_path):
+    """tiled_fp8_cache: "tiled" generating into the FP8 cache of each kind."""
+    from eval import generate_throughput
+    assert generate_throughput.main(["--new-tokens", "48", "--points", "1x16", "--backends",
+                                     "tiled_fp8_cache", "sdpa", "--reps", "3", "--warmup", "1",
+                                     "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "generate.csv")
+    assert {(r["backend"], r["cache"]) for r in rows} == {
+        (b, c) for b in ("tiled_fp8_cache", "sdpa") for c in ("dynamic", "static")}
+    assert all(r["status"] == "ok" for r in rows)
+
+
 def test_generate_points_cpu(tmp_path):
     """--points runs the named (batch, prompt) pairs only, not their cross product."""
     from eval import generate_throughput
@@ -316,7 +328,7 @@ def test_perplexity_default_model_cpu(tmp_path):
                             "--dtypes", "fp32", "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "perplexity.csv")
     assert {r["model"] for r in rows} == {"SmolLM2-135M-Instruct.Q4_1.gguf"}
-    assert {r["backend"] for r in rows} == {"tiled", "sdpa", "eager"}
+    assert {r["backend"] for r in rows} == {"tiled", "tiled_fp8_cache", "sdpa", "eager"}
     tiled = [r for r in rows if r["backend"] == "tiled"]
     assert tiled and all(r["status"] == "PASS" for r in tiled), tiled
     assert all(1.0 < float(r["ppl"]) < 1000.0 for r in rows), rows  # a real model, real text
@@ -335,7 +347,7 @@ def test_perplexity_cpu(tmp_path):
                             "64", "--max-tokens", "256", "--dtypes", "fp32", "bf16",
                             "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "perplexity.csv")
-    assert len(rows) == 2 * 3 + 2 * 4  # windows x backends: fp32 (no FP8 rows), bf16
+    assert len(rows) == 2 * 4 + 2 * 5  # windows x backends: fp32 (no tiled_fp8 rows), bf16
     tiled = [r for r in rows if r["backend"] == "tiled"]
     assert all(r["status"] == "PASS" for r in tiled), tiled
     assert code == 0
@@ -345,6 +357,10 @@ def test_perplexity_cpu(tmp_path):
     fp8 = [r for r in rows if r["backend"] == "tiled_fp8"]
     assert {r["dtype"] for r in fp8} == {"bf16"} and all(float(r["rel_diff_sdpa"]) > 0
                                                           for r in fp8)
+    # the FP8 cache's rounding of K and V, in every dtype: visible, and small
+    fp8_cache = [r for r in rows if r["backend"] == "tiled_fp8_cache"]
+    assert {r["dtype"] for r in fp8_cache} == {"fp32", "bf16"}
+    assert all(0 < float(r["rel_diff_sdpa"]) < 0.1 for r in fp8_cache), fp8_cache
 
 
 def test_kernel_bench_presets_run_on_cpu(tmp_path):
@@ -858,6 +874,19 @@ def test_paged_decode_bench_cpu(tmp_path):
     rows = read_csv(tmp_path / "paged_decode.csv")
     assert [r["mode"] for r in rows] == paged_decode_bench.MODES
     assert all(float(r["max_err_vs_gathered"]) == 0 for r in rows)
+
+
+def test_fp8_cache_decode_bench_cpu(tmp_path):
+    from eval import fp8_cache_decode_bench
+    assert fp8_cache_decode_bench.main(["--batch", "2", "--keys", "50", "--heads", "4/2",
+                                        "--head-dim", "32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "fp8_cache.csv")
+    assert [r["mode"] for r in rows] == fp8_cache_decode_bench.MODES
+    by_mode = {r["mode"]: r for r in rows}
+    # the rows' bytes (D + 16 per token and head) against bf16's 2 D
+    assert float(by_mode["fp8_cache"]["kv_mb"]) < float(by_mode["bf16_tiled"]["kv_mb"])
+    assert float(by_mode["bf16_tiled"]["rel_err"]) < 1e-2  # (fp32-level reference path)
+    assert 1e-3 < float(by_mode["fp8_cache"]["rel_err"]) < 0.1  # e4m3's rounding, no more
 
 
 def test_fp8_numerics_cpu(tmp_path):

@@ -115,6 +115,29 @@ def test_readme_transformers_and_trainer_examples_run(monkeypatch, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+def test_readme_fp8_cache_example_runs(monkeypatch):
+    """The transformers snippet (a tiny random Llama for the Hub id), then the FP8 cache
+    example: generate() fills the cache with e4m3 rows."""
+    import torch
+    import transformers
+
+    [setup] = _blocks("tokenizer = AutoTokenizer.from_pretrained(name)")
+    [example] = _blocks("hta.Fp8DynamicCache(config=model.config)")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda path, **kw: transformers.AutoModelForCausalLM.from_config(
+                            config, **kw))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: _BytesTokenizer())
+    ns = _run(example, _run(setup, {}))
+    assert ns["out"].shape == (1, len("Once upon a time") + 20)
+    keys = ns["cache"].layers[0].keys
+    assert keys.dtype == torch.uint8 and keys.shape[-1] == 16 + 16  # head dim 16 + 16 bytes
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
 def test_readme_gguf_example_gives_a_model_trainer_takes(tmp_path):
     import importlib.util
 
