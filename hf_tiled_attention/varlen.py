@@ -87,34 +87,42 @@ def group_tile(heads_q: int, heads_kv: int) -> int:
 
 def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
              softcap, sinks, key_slots, out) -> list[tuple]:
-    """``(grid, arrays, scalars, constants)`` of the call's launches: one of decode-shaped
-    tiles for the requests with a few queries (a decode step's, one position of a head group
-    per tile), and, when ``max_seqlen_q`` allows longer ones, one of prefill-shaped tiles for
-    those. Which requests a launch serves is read on the device, so the launches depend only on
-    shapes and ``max_seqlen_q`` (transformers pads that to the batch's token count under CUDA
-    graphs, so it does not say whether a step is decode-only)."""
-    from .varlen_kernel import (G_TILE, PAGED, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N,
-                                WINDOWED)
+    """``(kernel, grid, args)`` of the call's launches: one of decode-shaped tiles for the
+    requests with a few queries (a decode step's, one position of a head group per tile), and,
+    when ``max_seqlen_q`` allows longer ones, one of prefill-shaped tiles for those. Which
+    requests a launch serves is read on the device, so the launches depend only on shapes and
+    ``max_seqlen_q`` (transformers pads that to the batch's token count under CUDA graphs, so
+    it does not say whether a step is decode-only). From a paged cache each of those is two
+    launches, after one that marks the requests whose key tiles are whole blocks of the cache
+    (varlen_kernel.whole_tile_requests): one reads those by block loads, one gathers the
+    others' keys row by row."""
+    from .varlen_kernel import (BLOCKS, G_TILE, PAGED, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N,
+                                WINDOWED, whole_tile_requests_kernel)
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
     requests = cu_seqlens_q.shape[0] - 1
     if key_slots is None:  # packed keys: their count varies like the queries'
         key, value = _rows_of_16(key), _rows_of_16(value)
+    slots = _rows_of_16(key_slots if key_slots is not None else cu_seqlens_k)
+    cu_q, cu_k = _rows_of_16(cu_seqlens_q), _rows_of_16(cu_seqlens_k)
     # Arrays the constants keep the kernel from reading stand in for the absent ones.
-    arrays = (_rows_of_16(query).unflatten(1, (heads, g_tile)), key, value,
-              _rows_of_16(key_slots if key_slots is not None else cu_seqlens_k),
-              _rows_of_16(cu_seqlens_q), _rows_of_16(cu_seqlens_k),
-              sinks.float() if sinks is not None else _no_sinks(query.device),
-              out.unflatten(1, (heads, g_tile)))
+    head_rows = (_rows_of_16(query).unflatten(1, (heads, g_tile)), key, value)
+    tail = (cu_q, cu_k, sinks.float() if sinks is not None else _no_sinks(query.device),
+            out.unflatten(1, (heads, g_tile)))
     scalars = scaled_scores(scale, softcap, LOG2E) + (int(window) if window is not None else 0,)
     short_rows = varlen_tiles(1, g_tile, False)[0] // g_tile  # a decode tile's positions
     result = []
+    whole = {}  # keys per tile -> requests whose tiles are whole blocks (1) or not (0)
     for low, high in ((0, short_rows), (short_rows, max(max_seqlen_q, short_rows))):
         if high <= low:
             continue
         tile_m, tile_n = varlen_tiles(high, g_tile, key_slots is not None)
-        constants = [0] * 8
+        if key_slots is not None and requests and tile_n not in whole:
+            whole[tile_n] = cu_k.new_empty(cu_k.shape[0])
+            result.append((whole_tile_requests_kernel, (requests, 1, 1),
+                           (slots, cu_k, whole[tile_n], (tile_n,))))
+        constants = [0] * 9
         constants[TILE_M], constants[TILE_N] = tile_m, tile_n
         constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
         constants[PAGED] = key_slots is not None
@@ -122,7 +130,11 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         constants[SOFTCAP] = softcap is not None
         constants[SINKS] = sinks is not None
         grid = (-(-high // (tile_m // g_tile)), requests, heads)
-        result.append((grid, arrays, scalars + (low, high), tuple(constants)))
+        arrays = head_rows + (slots, whole.get(tile_n, cu_k)) + tail
+        for blocks in ((True, False) if key_slots is not None else (False,)):
+            constants[BLOCKS] = blocks
+            result.append((_kernel(arrays, constants), grid,
+                           arrays + scalars + (low, high, tuple(constants))))
     return result
 
 
@@ -152,13 +164,13 @@ def _launch(*args) -> None:
     device = args[0].device
     with launch_device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
-        for grid, arrays, scalars, constants in launches(*args):
-            ct.launch(stream, grid, _kernel(arrays, constants), arrays + scalars + (constants,))
+        for kernel, grid, kernel_args in launches(*args):
+            ct.launch(stream, grid, kernel, kernel_args)
 
 
-def _kernel(arrays: tuple, constants: tuple):
-    """The kernel entry of a launch: 64-bit addresses for the cache, or where an array holds
-    2**31 elements or more (a long packed batch); else 32-bit (faster)."""
+def _kernel(arrays: tuple, constants: list):
+    """The attention kernel's entry for a launch: 64-bit addresses for the cache, or where an
+    array holds 2**31 elements or more (a long packed batch); else 32-bit (faster)."""
     from .varlen_kernel import PAGED, varlen_forward_kernel, varlen_forward_paged_kernel
     wide = constants[PAGED] or any(a.numel() >= 2 ** 31 for a in arrays)
     return varlen_forward_paged_kernel if wide else varlen_forward_kernel
@@ -167,26 +179,9 @@ def _kernel(arrays: tuple, constants: tuple):
 def export_cubins(*args, arch: str) -> list[bytes]:
     """The cubins of a call's launches with these arguments (meta tensors are fine) for
     ``arch``, built without a GPU by cuTile's exporter."""
-    import io
-
-    import cuda.tile as ct
-    from cuda.tile.compilation import (CallingConvention, KernelSignature, ScalarConstraint,
-                                       export_kernel)
-
-    from .launch import array_constraint
-
-    cubins = []
-    for _, arrays, _, constants in launches(*args):
-        signature = KernelSignature(
-            [array_constraint(a) for a in arrays]
-            + [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)]
-            + [ScalarConstraint(ct.int32)] * 3 + [constants],
-            CallingConvention.cutile_python_v2())
-        buffer = io.BytesIO()
-        export_kernel(_kernel(arrays, constants), [signature], buffer, gpu_code=arch,
-                      output_format="cubin")
-        cubins.append(buffer.getvalue())
-    return cubins
+    from .fp8 import export_kernel_cubin
+    return [export_kernel_cubin(kernel, kernel_args, arch)
+            for kernel, _, kernel_args in launches(*args)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,12 @@ that request's keys only.
 Keys come either packed like the queries (K, V ``(Tk, Hkv, D)``: ``PAGED`` False), or straight
 from a paged cache (K, V ``(slots, Hkv, D)``, the whole cache of the layer; ``Slots[CuK[r] + j]``
 is the slot holding the request's key ``j``), so a decode step reads the cache in place, with no
-gathered copy.
+gathered copy. A paged call is two launches of the kernel: one reads the requests whose key tiles
+each sit in one block of the cache (pages of whole tiles, what continuous batching's
+full-attention layers give) by block loads only, the other gathers the rest row by row; which
+request is whose was decided on the device by :func:`whole_tile_requests` (``Whole``). A key
+loop with both reads in it, chosen per tile, reads at half the rate of the block loads alone
+(perf-notes step 56).
 
 A tile's rows are ``ROWS`` positions x ``G_TILE`` query heads of one key/value head (heads
 fastest; ``G_TILE`` 1: one query head), so each key tile is read once for the whole group.
@@ -35,9 +40,11 @@ PAGED = 4      # K/V are the cache, read through Slots
 WINDOWED = 5   # a sliding window (the scalar ``window``)
 SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
 SINKS = 7      # a learned sink logit per query head joins each row's softmax
+BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
+               # other requests, by row gathers)
 
 
-def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
+def varlen_forward(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out,
                    score_scale: float,   # scale * LOG2E, or scale / softcap with SOFTCAP
                    softcap_out: float,   # softcap * LOG2E with SOFTCAP
                    window: int,
@@ -46,8 +53,8 @@ def varlen_forward(Q, K, V, Slots, CuQ, CuK, Sinks, Out,
                    C: ct.Constant):
     """Q, Out ``(Tq, heads, G_TILE, D)`` (``heads`` = Hq / G_TILE); K, V ``(Tk, Hkv, D)``
     packed like the queries (PAGED False); CuQ, CuK ``(R + 1,)`` int32; Sinks ``(Hq,)`` fp32
-    (read with SINKS only); Slots unread."""
-    _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
+    (read with SINKS only); Slots and Whole unread."""
+    _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
              min_queries, max_queries, C)
 
 
@@ -60,23 +67,25 @@ varlen_forward_kernel = ct.kernel(varlen_forward)
 Wide = Annotated[ct.Array, ct.ArrayAnnotation(index_dtype=ct.int64)]
 
 
-def varlen_forward_paged(Q: Wide, K: Wide, V: Wide, Slots, CuQ, CuK, Sinks, Out: Wide,
+def varlen_forward_paged(Q: Wide, K: Wide, V: Wide, Slots, Whole, CuQ, CuK, Sinks, Out: Wide,
                          score_scale: float, softcap_out: float, window: int, min_queries: int,
                          max_queries: int, C: ct.Constant):
     """As :func:`varlen_forward` with 64-bit addresses: K and V the cache ``(slots, Hkv, D)``
-    and Slots ``(Tk,)`` int32/64 the slot of each packed key (PAGED True), or packed keys
-    (PAGED False) where an array holds 2**31 elements or more."""
-    _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
+    and Slots ``(Tk,)`` int32/64 the slot of each packed key, Whole ``(R,)`` int32 1 where a
+    request's key tiles are blocks of the cache (PAGED True), or packed keys (PAGED False) where
+    an array holds 2**31 elements or more."""
+    _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
              min_queries, max_queries, C)
 
 
 varlen_forward_paged_kernel = ct.kernel(varlen_forward_paged)
 
 
-def _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
+def _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,
              min_queries, max_queries, C):
     """Query tile ``bid(0)`` of request ``bid(1)``, head ``bid(2)`` (a kv head when G_TILE > 1),
-    if the request's query count is in the launch's range."""
+    if the request's query count is in the launch's range (and, paged, its reads this
+    launch's)."""
     ROWS = C[TILE_M] // C[G_TILE]
     m_tile = ct.bid(0)
     request = ct.bid(1)
@@ -87,9 +96,18 @@ def _request(Q, K, V, Slots, CuQ, CuK, Sinks, Out, score_scale, softcap_out, win
     k_start = ct.load(CuK, index=(request,), shape=(1,)).item()
     k_len = ct.load(CuK, index=(request + 1,), shape=(1,)).item() - k_start
     row_lo = m_tile * ROWS
-    if row_lo < q_len and q_len > min_queries and q_len <= max_queries:
+    if row_lo < q_len and q_len > min_queries and q_len <= max_queries and \
+            _reads_mine(Whole, request, C):
         _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, C, ROWS,
                       m_tile, head, kv_head, q_start, q_len, k_start, k_len, row_lo)
+
+
+def _reads_mine(Whole, request, C):
+    """Whether this launch reads the request's keys: always, unless paged, where one launch
+    takes the requests whose tiles are whole blocks (BLOCKS) and the other the rest."""
+    if C[PAGED]:
+        return ct.load(Whole, index=(request,), shape=(1,)).item() == (1 if C[BLOCKS] else 0)
+    return True
 
 
 def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, C, ROWS,
@@ -163,24 +181,23 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
 
 
 def _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C):
-    """Key tile ``j`` of a request from the cache: one block load where its slots are the
-    cache's rows ``first .. first + N`` with ``first`` a multiple of N (a page holds whole
-    tiles: what continuous batching's full-attention layers give), else a gather row by row.
-    Rows past the request's keys are zeros."""
+    """Key tile ``j`` of a request from the cache. BLOCKS: one block load from the tile's first
+    slot (the request's tiles are whole blocks; rows past its keys are the cache's, and read as
+    zeros below); else a gather row by row."""
     N = C[TILE_N]
     D = C[TILE_D]
-    cols = ct.arange(N, dtype=ct.int32)
-    valid = j * N + cols < k_len
-    slots = ct.load(Slots, index=(j,), shape=(N,),
-                    padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
-    first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
-    slots = ct.where(valid, slots, first)
-    if ct.sum(ct.where(slots == first + cols, 0, 1)) + first % N == 0:
+    valid = j * N + ct.arange(N, dtype=ct.int32) < k_len
+    if C[BLOCKS]:
+        first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
         k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
         v = ct.load(V, index=(first // N, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
     else:
+        slots = ct.load(Slots, index=(j,), shape=(N,),
+                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+        first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+        slots = ct.where(valid, slots, first)
         # Gather from the lowest slot on: row offsets stay small for int32 address math.
         base = ct.min(slots)
         rows = slots - base
@@ -226,3 +243,28 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     acc = mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc
+
+
+def whole_tile_requests(Slots, CuK, Whole, C: ct.Constant):
+    """``Whole[r]`` = 1 where every key tile of request ``bid(0)`` (``C[0]`` keys) is one block of
+    the cache: its slots consecutive from a multiple of ``C[0]`` (the last tile up to the
+    request's last key); else 0. Slots ``(Tk,)`` int32/64, CuK ``(R + 1,)``, Whole ``(R,)``
+    int32. The paged attention launches read it on the device, so no host decision waits on
+    the slot list (a CUDA graph can hold the call)."""
+    N = C[0]
+    request = ct.bid(0)
+    k_start = ct.load(CuK, index=(request,), shape=(1,)).item()
+    k_len = ct.load(CuK, index=(request + 1,), shape=(1,)).item() - k_start
+    Slots_req = Slots.slice(axis=0, start=k_start, stop=k_start + k_len)
+    cols = ct.arange(N, dtype=ct.int32)
+    strays = ct.full((1,), 0, dtype=ct.int32)   # slots off their tile's block, so far
+    for j in range(ct.cdiv(k_len, N)):
+        slots = ct.load(Slots_req, index=(j,), shape=(N,),
+                        padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+        first = ct.load(Slots_req, index=(j * N,), shape=(1,)).astype(ct.int32)
+        off = ct.where((j * N + cols < k_len) & (slots != first + cols), 1, 0)
+        strays = strays + ct.sum(off, keepdims=True) + ct.where(first % N == 0, 0, 1)
+    ct.store(Whole, index=(request,), tile=ct.where(strays == 0, 1, 0).astype(ct.int32))
+
+
+whole_tile_requests_kernel = ct.kernel(whole_tile_requests)

@@ -109,6 +109,37 @@ def test_pages_of_whole_tiles_read_as_blocks(page, batch, features):
           shifted=(1,))
 
 
+@pytest.mark.parametrize("page, shifted", [(256, ()), (128, (2, 4)), (16, ())],
+                         ids=["whole-pages", "two-shifted", "small-pages"])
+def test_whole_tile_requests_marks_what_blocks_can_read(page, shifted):
+    """The paged call's first launch (varlen_kernel.whole_tile_requests) against its rule in
+    Python: a request is read by block loads where each of its key tiles' slots run
+    consecutively from a multiple of the tile (to the request's last key)."""
+    import cuda.tile as ct
+    from hf_tiled_attention.varlen_kernel import whole_tile_requests_kernel
+    q_lens, k_lens = (1,) * 7, (1, 64, 65, 300, 1000, 2049, 0)
+    q, _, _, cache_k, cache_v, slots, cu_q, cu_k = serving_case(
+        q_lens, k_lens, 8, 2, 64, torch.bfloat16, page=page, shifted=shifted)
+    first = varlen.launches(q, cache_k, cache_v, cu_q, cu_k, 1, 0.1, None, None, None, slots,
+                            torch.empty_like(q))[0]
+    kernel, grid, args = first
+    assert kernel is whole_tile_requests_kernel
+    args[2].fill_(-7)
+    ct.launch(torch.cuda.current_stream().cuda_stream, grid, kernel, args)
+    marked = args[2][:len(k_lens)].tolist()
+    tile, cu, listed = args[3][0], cu_k.tolist(), slots.tolist()
+    expected = []
+    for r in range(len(k_lens)):
+        keys = listed[cu[r]:cu[r + 1]]
+        starts = range(0, len(keys), tile)
+        expected.append(int(all(keys[s] % tile == 0 and keys[s:s + tile] == list(
+            range(keys[s], keys[s] + len(keys[s:s + tile]))) for s in starts)))
+    assert marked == expected
+    if page >= tile and not shifted:
+        assert all(expected)
+    assert sum(expected) < len(expected) or not shifted
+
+
 def test_arrays_past_2_31_elements():
     """A cache of more than 2**31 elements read past that point (one request on aligned
     blocks, two a slot off them), and the same rows as packed keys: the 64-bit entry."""
