@@ -471,6 +471,13 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
     raise LookupError(f"no backward schedule for head dim {head_dim}")
 
 
+# The paged launch that reads whole-block requests (varlen_kernel BLOCKS) loads tile j+1's first
+# slot while tile j computes, so a block load's address never waits on a slot load (a global
+# load's latency is about a 64-key tile's read time per SM at the copy rate). Not yet measured:
+# .pending's run compares both.
+VARLEN_PREFETCH_SLOT = True
+
+
 def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's
     tile holds one position of a head group and streams key tiles (its time is reading K/V):

@@ -24,7 +24,7 @@ from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
 from .launch import scaled_scores
 from .memo import memoize
-from .schedule import head_dim_tile, varlen_tiles
+from .schedule import VARLEN_PREFETCH_SLOT, head_dim_tile, varlen_tiles
 
 MAX_GROUP_TILE = 16  # query heads packed into one tile at most (a GQA group)
 
@@ -96,8 +96,8 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     launches, after one that marks the requests whose key tiles are whole blocks of the cache
     (varlen_kernel.whole_tile_requests): one reads those by block loads, one gathers the
     others' keys row by row."""
-    from .varlen_kernel import (BLOCKS, G_TILE, PAGED, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N,
-                                WINDOWED, whole_tile_requests_kernel)
+    from .varlen_kernel import (BLOCKS, G_TILE, PAGED, PREFETCH, SINKS, SOFTCAP, TILE_D, TILE_M,
+                                TILE_N, WINDOWED, whole_tile_requests_kernel)
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
@@ -122,7 +122,7 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
             whole[tile_n] = cu_k.new_empty(cu_k.shape[0])
             result.append((whole_tile_requests_kernel, (requests, 1, 1),
                            (slots, cu_k, whole[tile_n], (tile_n,))))
-        constants = [0] * 9
+        constants = [0] * 10
         constants[TILE_M], constants[TILE_N] = tile_m, tile_n
         constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
         constants[PAGED] = key_slots is not None
@@ -133,6 +133,7 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         arrays = head_rows + (slots, whole.get(tile_n, cu_k)) + tail
         for blocks in ((True, False) if key_slots is not None else (False,)):
             constants[BLOCKS] = blocks
+            constants[PREFETCH] = blocks and VARLEN_PREFETCH_SLOT
             result.append((_kernel(arrays, constants), grid,
                            arrays + scalars + (low, high, tuple(constants))))
     return result

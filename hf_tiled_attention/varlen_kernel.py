@@ -42,6 +42,7 @@ SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
 SINKS = 7      # a learned sink logit per query head joins each row's softmax
 BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
                # other requests, by row gathers)
+PREFETCH = 9   # BLOCKS: tile j+1's first slot is loaded during tile j (schedule.py)
 
 
 def varlen_forward(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out,
@@ -155,7 +156,12 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
     m_i = ct.full((M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
-    state = (m_i, l_i, acc)
+    # The next block's first slot rides along with the softmax state (read with PREFETCH).
+    next_slot = ct.full((1,), 0, dtype=ct.int32)
+    if C[PAGED] and C[BLOCKS] and C[PREFETCH]:
+        next_slot = ct.load(Slots_req, index=(first * N,), shape=(1,),
+                            padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+    state = (m_i, l_i, acc, next_slot)
     arrays = (K_req, V_req, Slots_req)
     where = (q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out)
     for j in range(first, full_lo):
@@ -164,7 +170,7 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
         state = _key_tile(j, state, arrays, where, False, C)
     for j in range(full_hi, end):
         state = _key_tile(j, state, arrays, where, True, C)
-    m_i, l_i, acc = state
+    m_i, l_i, acc, _ = state
 
     if C[SINKS]:
         # The sink is one more logit in each row's softmax, with no value: it adds to l only.
@@ -180,15 +186,21 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
              tile=out.reshape((ROWS, 1, G, D)).astype(Out.dtype))
 
 
-def _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C):
-    """Key tile ``j`` of a request from the cache. BLOCKS: one block load from the tile's first
-    slot (the request's tiles are whole blocks; rows past its keys are the cache's, and read as
-    zeros below); else a gather row by row."""
+def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
+    """Key tile ``j`` of a request from the cache, and the first slot of tile ``j + 1`` (loaded
+    here with PREFETCH, else passed on). BLOCKS: one block load from the tile's first slot
+    (``next_slot`` with PREFETCH; the request's tiles are whole blocks; rows past its keys are
+    the cache's, and read as zeros below); else a gather row by row."""
     N = C[TILE_N]
     D = C[TILE_D]
     valid = j * N + ct.arange(N, dtype=ct.int32) < k_len
     if C[BLOCKS]:
-        first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+        if C[PREFETCH]:
+            first = next_slot.item()
+            next_slot = ct.load(Slots, index=((j + 1) * N,), shape=(1,),
+                                padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+        else:
+            first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
         k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
         v = ct.load(V, index=(first // N, kv_head, 0), shape=(N, 1, D),
@@ -209,19 +221,19 @@ def _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C):
                                       padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
     if EDGE:  # a padded row is a real cache row (another request's, or stale): 0 * NaN is NaN
         v = ct.where(valid[:, None], v, 0.0)
-    return k, v
+    return k, v, next_slot
 
 
 def _key_tile(j, state, arrays, where, EDGE, C):
     """One online-softmax step over the request's key tile ``j``. ``EDGE``: the tile may hold
     keys some rows do not see (apply the causal/window rule); else every row sees all of it."""
-    m_i, l_i, acc = state
+    m_i, l_i, acc, next_slot = state
     K, V, Slots = arrays
     q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out = where
     N = C[TILE_N]
     D = C[TILE_D]
     if C[PAGED]:
-        k, v = _paged_tile(K, V, Slots, j, kv_head, k_len, EDGE, C)
+        k, v, next_slot = _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C)
     else:
         k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
@@ -242,7 +254,7 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     acc = mma(p.astype(v.dtype), v, acc * alpha)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, next_slot
 
 
 def whole_tile_requests(Slots, CuK, Whole, C: ct.Constant):
