@@ -35,7 +35,7 @@ from .memo import memoize
 
 __all__ = ["Fp8DynamicCache", "Fp8StaticCache", "dequantize_rows", "is_fp8_rows",
            "key_rotation", "keys_from_rows", "quantize_keys", "quantize_rows",
-           "quantize_rows_torch", "split_rows"]
+           "quantize_rows_torch", "rows_like", "split_rows"]
 
 # Bytes after a row's values: its fp32 scale and 12 unused bytes (16-byte rows, for TMA loads;
 # quantize_rows_torch writes them as zeros, the kernel leaves them).
@@ -61,6 +61,12 @@ def check_rows(rows: torch.Tensor, name: str) -> int:
                          f"with D a multiple of 16 and contiguous rows, got shape "
                          f"{tuple(rows.shape)}, strides {rows.stride()}")
     return dim
+
+
+def rows_like(states: torch.Tensor) -> torch.Tensor:
+    """Uninitialised rows ``(..., D + ROW_EXTRA)`` ``uint8`` for states ``(..., D)``."""
+    return torch.empty(*states.shape[:-1], states.shape[-1] + ROW_EXTRA, dtype=torch.uint8,
+                       device=states.device)
 
 
 def quantize_rows(states: torch.Tensor) -> torch.Tensor:
@@ -151,17 +157,12 @@ class _Fp8Rows:
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if not is_fp8_rows(key_states):  # early_initialization's stand-ins: states' shapes
-            key_states, value_states = _rows_like(key_states), _rows_like(value_states)
+            key_states, value_states = rows_like(key_states), rows_like(value_states)
         super().lazy_initialization(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return super().update(quantize_keys(key_states), quantize_rows(value_states), *args,
                               **kwargs)
-
-
-def _rows_like(states: torch.Tensor) -> torch.Tensor:
-    return torch.empty(*states.shape[:-1], states.shape[-1] + ROW_EXTRA, dtype=torch.uint8,
-                       device=states.device)
 
 
 @memoize(64)

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .fp8_cache import (check_rows, dequantize_rows, is_fp8_rows, key_rotation, keys_from_rows,
-                        row_head_dim, split_rows)
+                        row_head_dim, rows_like, split_rows)
 from .kernel_params import LOG2E, MergeConstants
 from .launch import (BufferViews, buffer_views, group_rows, kv_splits, launch_device,
                      merge_constants, next_power_of_two, packed_group_tile, scaled_scores,
@@ -141,11 +141,8 @@ def decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
     run on) over the rows ``(B, Hkv, Skv, D + 16)``: the output ``(B, Hq, Sq, D)`` laid out as
     ``(B, Sq, Hq, D)``. ``key_mask`` ``(B or 1, 1, 1, Skv)`` bool hides keys; query row ``i``
     sits at key position ``i + diag_offset`` (default: bottom-right, ``Skv - Sq``)."""
-    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-    if diag_offset is None:
-        diag_offset = key_rows.shape[2] - query.shape[2]
-    args = (key_mask, bool(causal), scale, int(window or 0), float(softcap or 0.0),
-            int(diag_offset))
+    args = (key_mask,) + _step_arguments(query, key_rows, causal, scale, window, softcap,
+                                         diag_offset)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.hf_tiled_attention.fp8_cache_decode(query, key_rows, value_rows,
                                                                    *args)
@@ -155,6 +152,15 @@ def decode(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
         from .op import with_sinks
         out, _ = with_sinks(out, lse, sinks)
     return out
+
+
+def _step_arguments(query, key_rows, causal, scale, window, softcap, diag_offset) -> tuple:
+    """``(causal, scale, window, softcap, diag_offset)`` as the launches take them: the scale
+    ``1/sqrt(D)`` and the bottom-right diagonal by default, 0 for no window or softcap."""
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    if diag_offset is None:
+        diag_offset = key_rows.shape[2] - query.shape[2]
+    return bool(causal), scale, int(window or 0), float(softcap or 0.0), int(diag_offset)
 
 
 @torch.library.custom_op("hf_tiled_attention::fp8_cache_decode", mutates_args=())
@@ -238,18 +244,17 @@ def decode_launches(query: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     v8, v_scale = split_rows(value_rows)
     mask_arg = lse if key_mask is None else _kernel_key_mask(key_mask, batch)  # (unread: lse)
     score_scale, softcap_out = scaled_scores(scale, softcap or None, LOG2E)
-    kernels = _kernels()
-    if plan.splits == 1:
-        return out, lse, [(kernels[0], plan.grid, (
-            q_rows, k8, k_scale, v8, v_scale, mask_arg, out_rows, lse_rows, score_scale,
-            softcap_out, diag_offset, window, 1, plan.constants))]
-    part_out, part_lse, _ = split_buffers(views, query.device, keep_for_stream)
-    return out, lse, [
-        (kernels[0], plan.grid, (q_rows, k8, k_scale, v8, v_scale, mask_arg, part_out,
-                                 part_lse, score_scale, softcap_out, diag_offset, window,
-                                 plan.splits, plan.constants)),
-        (kernels[1], plan.merge_grid, (part_out, part_lse, out_rows, lse_rows, plan.splits,
-                                       plan.constants, tuple(plan.merge)))]
+    decode_kernel, merge_kernel = _kernels()
+    # With split keys the decode writes each slice into the workspace, and the merge the output.
+    written = (out_rows, lse_rows) if plan.splits == 1 else \
+        split_buffers(views, query.device, keep_for_stream)[:2]
+    launches = [(decode_kernel, plan.grid, (q_rows, k8, k_scale, v8, v_scale, mask_arg) +
+                 tuple(written) + (score_scale, softcap_out, diag_offset, window, plan.splits,
+                                   plan.constants))]
+    if plan.splits > 1:
+        launches.append((merge_kernel, plan.merge_grid, tuple(written) + (
+            out_rows, lse_rows, plan.splits, plan.constants, tuple(plan.merge))))
+    return out, lse, launches
 
 
 def _kernel_key_mask(key_mask: torch.Tensor, batch: int) -> torch.Tensor:
@@ -312,9 +317,7 @@ def quantize_on_device(states: torch.Tensor) -> torch.Tensor:
     left unwritten (nothing reads them)."""
     import cuda.tile as ct
 
-    from .fp8_cache import ROW_EXTRA
-    rows = torch.empty(*states.shape[:-1], states.shape[-1] + ROW_EXTRA, dtype=torch.uint8,
-                       device=states.device)
+    rows = rows_like(states)
     kernel, grid, args = quantize_launch(states, rows)
     with launch_device(states.device):
         ct.launch(torch._C._cuda_getCurrentRawStream(states.device.index), grid, kernel, args)
@@ -333,11 +336,9 @@ def export_cubins(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch
     """The cubins of a decode step's launches (decode, and merge with split keys) for these
     tensors (meta tensors are fine), built without a GPU."""
     from .fp8 import export_kernel_cubin
-    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-    if diag_offset is None:
-        diag_offset = key_rows.shape[2] - query.shape[2]
-    _, _, launches = decode_launches(query, key_rows, value_rows, key_mask, causal, scale,
-                                     int(window or 0), float(softcap or 0.0), diag_offset,
+    _, _, launches = decode_launches(query, key_rows, value_rows, key_mask,
+                                     *_step_arguments(query, key_rows, causal, scale, window,
+                                                      softcap, diag_offset),
                                      sm_count=sm_count)
     return [export_kernel_cubin(kernel, args, arch) for kernel, _, args in launches]
 
@@ -345,8 +346,5 @@ def export_cubins(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch
 def export_quantize_cubin(states: torch.Tensor, *, arch: str) -> bytes:
     """The quantisation kernel's cubin for these states (meta tensors are fine)."""
     from .fp8 import export_kernel_cubin
-    from .fp8_cache import ROW_EXTRA
-    rows = torch.empty(*states.shape[:-1], states.shape[-1] + ROW_EXTRA, dtype=torch.uint8,
-                       device=states.device)
-    kernel, _, args = quantize_launch(states, rows)
+    kernel, _, args = quantize_launch(states, rows_like(states))
     return export_kernel_cubin(kernel, args, arch)
