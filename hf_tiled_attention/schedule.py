@@ -473,20 +473,22 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
 
 # The paged launch that reads whole-block requests (varlen_kernel BLOCKS) loads tile j+1's first
 # slot while tile j computes, so a block load's address never waits on a slot load (a global
-# load's latency is about a 64-key tile's read time per SM at the copy rate). Not yet measured:
-# .pending's run compares both.
+# load's latency is about a 64-key tile's read time per SM at the copy rate): at 128-key tiles
+# 2.49 / 2.55 TB/s against 2.50 / 2.54 without, at 64 keys 2.21 / 2.28 against 2.08 / 2.07 (H100,
+# R=32 x 16k and R=256 x 4k keys, perf-notes step 57).
 VARLEN_PREFETCH_SLOT = True
 
 
-def varlen_tiles(max_seqlen_q: int, g_tile: int, paged: bool) -> tuple[int, int]:
+def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's
     tile holds one position of a head group and streams key tiles (its time is reading K/V):
-    128 keys from packed keys, 64 from a paged cache (each tile's slots looked up: 1.8 TB/s
-    against 1.5 with 128, H200, R=32 x 16k and R=256 x 4k keys, perf-notes step 52); a prefill
-    chunk's takes the forward's 128 x 64 tiles (at D=128 and 256, 64 x 64 and 64 x 32 tiles
-    reading a paged cache fail in tileiras 13.x, 128 x 64 compiles)."""
+    128 keys, from packed keys or a paged cache (the paged block launch at 128 keys read 2.49 /
+    2.55 TB/s, 0.82-0.84x the copy rate, against 2.21 / 2.28 at 64, H100, R=32 x 16k and
+    R=256 x 4k keys, perf-notes step 57); a prefill chunk's takes the forward's 128 x 64 tiles
+    (at D=128 and 256, 64 x 64 and 64 x 32 tiles reading a paged cache fail in tileiras 13.x,
+    128 x 64 compiles)."""
     if max_seqlen_q * g_tile <= 16:
-        return (16, 64) if paged else (16, 128)
+        return 16, 128
     return 128, 64
 
 

@@ -111,13 +111,13 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     tail = (cu_q, cu_k, sinks.float() if sinks is not None else _no_sinks(query.device),
             out.unflatten(1, (heads, g_tile)))
     scalars = scaled_scores(scale, softcap, LOG2E) + (int(window) if window is not None else 0,)
-    short_rows = varlen_tiles(1, g_tile, False)[0] // g_tile  # a decode tile's positions
+    short_rows = varlen_tiles(1, g_tile)[0] // g_tile  # a decode tile's positions
     result = []
     whole = {}  # keys per tile -> requests whose tiles are whole blocks (1) or not (0)
     for low, high in ((0, short_rows), (short_rows, max(max_seqlen_q, short_rows))):
         if high <= low:
             continue
-        tile_m, tile_n = varlen_tiles(high, g_tile, key_slots is not None)
+        tile_m, tile_n = varlen_tiles(high, g_tile)
         if key_slots is not None and requests and tile_n not in whole:
             whole[tile_n] = cu_k.new_empty(cu_k.shape[0])
             result.append((whole_tile_requests_kernel, (requests, 1, 1),
