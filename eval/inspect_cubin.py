@@ -108,11 +108,12 @@ def report(cubin: bytes) -> dict:
 
 
 def mma_loops(sass: str) -> list[dict]:
-    """The innermost loops of a SASS listing that hold tensor-core MMAs (HGMMA / HMMA): a
-    kernel's steps. A loop is a branch back to an earlier label (in the body: not one of the
-    out-of-line waits after the last EXIT); innermost: no other such loop inside it. Per loop,
-    in address order: ``instructions``, ``mma``, ``LDL`` (spill reloads) and ``STL`` (spill
-    stores) between its label and its branch."""
+    """The innermost loops of a SASS listing that hold tensor-core MMAs (HGMMA / QGMMA, the
+    warpgroup MMA in 16 and 8 bits, or HMMA): a kernel's steps. A loop is a branch back to an
+    earlier label (in the body: not one of the out-of-line waits after the last EXIT);
+    innermost: no other such loop inside it. Per loop, in address order: ``instructions``,
+    ``mma``, ``LDL`` (spill reloads), ``STL`` (spill stores) and ``ops`` (every opcode's count)
+    between its label and its branch."""
     listing, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -135,10 +136,10 @@ def mma_loops(sass: str) -> list[dict]:
     loops = []
     for lo, hi in sorted(spans):
         body = collections.Counter(op for address, op, _ in listing if lo <= address <= hi)
-        mma = body["HGMMA"] + body["HMMA"]
+        mma = body["HGMMA"] + body["QGMMA"] + body["HMMA"]
         if mma:
             loops.append(dict(span=(lo, hi), instructions=sum(body.values()), mma=mma,
-                              LDL=body["LDL"], STL=body["STL"]))
+                              LDL=body["LDL"], STL=body["STL"], ops=dict(body)))
     return [loop for loop in loops if not any(
         other is not loop and loop["span"][0] <= other["span"][0]
         and other["span"][1] <= loop["span"][1] for other in loops)]

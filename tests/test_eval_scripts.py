@@ -793,7 +793,12 @@ def test_inspect_cubin_finds_the_step_loops_and_their_spills():
         /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380c0], R3 ;
         /*00c0*/                   BRA `(.L_x_2) ;
 """
-    assert mma_loops(sass) == [dict(span=(0x20, 0x50), instructions=4, mma=1, LDL=1, STL=1)]
+    ops = dict(HGMMA=1, LDL=1, STL=1, BRA=1)
+    assert mma_loops(sass) == [dict(span=(0x20, 0x50), instructions=4, mma=1, LDL=1, STL=1,
+                                    ops=ops)]
+    # the FP8 warpgroup MMA is a step's MMA too
+    fp8 = sass.replace("HGMMA.64x64x16.F32.BF16", "QGMMA.64x64x32.F32.E4M3.E4M3")
+    assert mma_loops(fp8)[0]["ops"]["QGMMA"] == 1 and mma_loops(fp8)[0]["mma"] == 1
 
 
 def test_compare_sweeps_reads_forward_and_backward_csvs(tmp_path, capsys):
