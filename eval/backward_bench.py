@@ -64,8 +64,8 @@ from hf_tiled_attention.reference import (reference_attention,  # noqa: E402
                                           reference_attention_backward)
 from hf_tiled_attention.schedule import (BackwardSchedule, backward_schedule,  # noqa: E402
                                          set_backward_schedule)
-from eval.common import (DTYPES, ResultsWriter, field_combinations, results_dir,  # noqa: E402
-                         save_figure, timed)
+from eval.common import (DTYPES, ResultsWriter, field_combinations, output_dir,  # noqa: E402
+                         results_dir, save_figure, timed)
 from eval.variants_bench import mask_rows, variant_mods, visible_pairs  # noqa: E402
 
 COLUMNS = ["variant", "backend", "pass", "dtype", "batch", "heads_q", "heads_kv", "seq",
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
                          f"tiled's backward, but --backends {args.backends} leaves tiled out")
     if args.replot or args.summary:
         import csv
-        out_dir = args.out or results_dir() / "backward"
+        out_dir = args.out or results_dir("backward")
         with open(out_dir / "kernel_sweep.csv") as f:
             rows = list(csv.DictReader(f))
         if args.summary:
@@ -455,9 +455,8 @@ def main(argv=None) -> int:
         print("backward_bench: no CUDA GPU; tiny sizes through the reference path (the numbers "
               "say nothing about speed)")
         args.warmup, args.reps = 1, 2
-    out_dir = args.out or results_dir() / "backward"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "backward")
+    writer = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, argv)
     seen = set()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reference path.*")

@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,8 +37,16 @@ def gpu_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
-def results_dir() -> Path:
-    return RESULTS_ROOT / gpu_slug()
+def results_dir(*parts: str) -> Path:
+    """This GPU's results folder (``eval/results/nvidia-h200``), or ``parts`` below it."""
+    return RESULTS_ROOT.joinpath(gpu_slug(), *parts)
+
+
+def output_dir(chosen: Path | None, *parts: str) -> Path:
+    """Where a run writes, created: ``--out`` when given, else ``results_dir(*parts)``."""
+    path = chosen or results_dir(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _version(dist: str) -> str:
@@ -123,8 +132,8 @@ class ResultsWriter:
     run then gets its own environment entry (``<job>``, ``<job>_run2``, ...).
     """
 
-    def __init__(self, out_dir: Path, job: str, columns: list[str], argv: list[str],
-                 append: bool = False):
+    def __init__(self, out_dir: Path, job: str, columns: list[str],
+                 argv: list[str] | None = None, append: bool = False):
         self.out_dir, self.columns = out_dir, columns
         self.rows: list[dict] = []
         self.path = out_dir / f"{job}.csv"
@@ -138,7 +147,8 @@ class ResultsWriter:
                        if env_path.exists() else [job])
             self.job = f"{job}_run{runs + 1}"
         self.started = time.time()
-        self.environment = environment(argv)  # taken once: it runs tileiras and nvidia-smi
+        # taken once: it runs tileiras and nvidia-smi
+        self.environment = environment(sys.argv if argv is None else argv)
         self._write_environment(complete=False)
 
     def add(self, row: dict) -> None:

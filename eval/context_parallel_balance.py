@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_tiled_attention.key_exchange import KeyRule, plan_exchange  # noqa: E402
 from hf_tiled_attention.shard_layout import (SequenceLayout, document_bounds,  # noqa: E402
                                              least_chunks_layout, position_work)
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 
 COLUMNS = ["seq", "ranks", "documents", "window", "layout", "chunks_per_rank",
            "pairs_max_over_mean",
@@ -143,9 +143,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # the counts are many small index operations: threads only contend
     if args.time and not torch.cuda.is_available():
         raise SystemExit("--time needs a CUDA GPU (the counts need none)")
-    out_dir = args.out or results_dir() / "context-parallel"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "balance", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "context-parallel")
+    results = ResultsWriter(out_dir, "balance", COLUMNS, argv)
     for seq in args.seq:
         for mix in args.documents:
             docs = document_ids(mix, seq)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from hf_tiled_attention import context_parallel, shard_batch  # noqa: E402
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 from eval.models import build_config  # noqa: E402
 
 COLUMNS = ["model", "layers", "backend", "batching", "ranks", "seq", "tokens_per_s_per_gpu",
@@ -191,10 +191,8 @@ def main(argv=None) -> int:
               "speed).", flush=True)
     results = None
     if rank == 0:
-        out_dir = args.out or results_dir() / "context-parallel"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        results = ResultsWriter(out_dir, "context_parallel", COLUMNS,
-                                sys.argv if argv is None else argv)
+        out_dir = output_dir(args.out, "context-parallel")
+        results = ResultsWriter(out_dir, "context_parallel", COLUMNS, argv)
     mesh = None
     if on_gpu:
         from torch.distributed.device_mesh import init_device_mesh

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval.quiet_bars  # noqa: E402,F401  (before torch imports tqdm)
 import torch  # noqa: E402
 
-from eval.common import ResultsWriter, results_dir, save_figure  # noqa: E402
+from eval.common import ResultsWriter, output_dir, save_figure  # noqa: E402
 from eval.perplexity import default_text_files, find_default_model  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa"]
@@ -131,11 +131,9 @@ def main(argv=None) -> int:
         heldout = heldout[:2]
     base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=DTYPES[args.dtype],
                                                 attn_implementation="sdpa").to(device)
-    out_dir = args.out or results_dir() / "finetune"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    steps = ResultsWriter(out_dir, "finetune", COLUMNS, sys.argv if argv is None else argv)
-    summary = ResultsWriter(out_dir, "finetune_summary", SUMMARY,
-                            sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "finetune")
+    steps = ResultsWriter(out_dir, "finetune", COLUMNS, argv)
+    summary = ResultsWriter(out_dir, "finetune_summary", SUMMARY, argv)
     curves, ppl = {}, {}
     for backend in BACKENDS:
         model, curves[backend] = finetune(base, backend, train, args, DTYPES[args.dtype])

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval.common import ResultsWriter, parse_heads, results_dir  # noqa: E402
+from eval.common import ResultsWriter, parse_heads, output_dir  # noqa: E402
 from hf_tiled_attention import tiled_attention  # noqa: E402
 from hf_tiled_attention.fp8_cache import (dequantize_rows, keys_from_rows,  # noqa: E402
                                           quantize_keys, quantize_rows)
@@ -80,9 +80,8 @@ def main(argv=None) -> int:
     keys_list = args.keys or ([4096, 16384, 65536] if cuda else [300])
     heads_q, heads_kv = args.heads
     dim = args.head_dim
-    out_dir = args.out or results_dir() / "decode"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "fp8_cache", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "decode")
+    writer = ResultsWriter(out_dir, "fp8_cache", COLUMNS, argv)
     reps = args.reps if cuda else 2
     for batch in batches:
         for keys in keys_list:

@@ -28,7 +28,7 @@ import cuda.tile as ct
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 SIZE = 8192
@@ -153,9 +153,8 @@ def main(argv=None) -> int:
         for (operands, layout), ops in mma_instructions().items():
             print(f"{operands} B {layout}: {dict(ops)}")
         return 0
-    out_dir = args.out or results_dir() / "fp8-mma-probe"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "fp8_mma", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "fp8-mma-probe")
+    writer = ResultsWriter(out_dir, "fp8_mma", COLUMNS, argv)
     measure(writer)
     print(f"csv: {writer.finish()}")
     return 0

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention.fp8 import E4M3_MAX, hadamard, to_e4m3  # noqa: E402
 
 COLUMNS = ["inputs", "scheme", "seq", "heads", "head_dim", "block", "max_abs", "rms", "rel_rms"]
@@ -227,9 +227,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.seq % args.block or args.head_dim & (args.head_dim - 1):
         raise SystemExit("--seq must be a multiple of --block and --head-dim a power of two")
-    out_dir = args.out or results_dir() / "fp8-numerics"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "fp8_numerics", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "fp8-numerics")
+    writer = ResultsWriter(out_dir, "fp8_numerics", COLUMNS, argv)
     generator = torch.Generator().manual_seed(args.seed)
     rotation = hadamard(args.head_dim, generator)
     scale = 1.0 / math.sqrt(args.head_dim)
@@ -257,8 +256,7 @@ def main(argv=None) -> int:
     if args.text_file:
         if args.window % args.block:
             raise SystemExit("--window must be a multiple of --block")
-        ppl = ResultsWriter(out_dir, "fp8_perplexity", PPL_COLUMNS,
-                            sys.argv if argv is None else argv)
+        ppl = ResultsWriter(out_dir, "fp8_perplexity", PPL_COLUMNS, argv)
         for row in perplexity_rows(args.text_file, SCHEMES, args.window, args.max_tokens,
                                    args.block, args.seed, args.model, args.gguf_file):
             ppl.add(row)

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import (ResultsWriter, label_lengths, median_interval, progress,  # noqa: E402
-                         results_dir, save_figure)
+                         output_dir, results_dir, save_figure)
 from eval.models import (FP8_CACHE_BACKEND, SHAPES, build_config, build_models,  # noqa: E402
                          model_device)
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
                         help="only redraw the plot from the --out folder's generate.csv")
     args = parser.parse_args(argv)
     if args.replot:
-        folder = args.out or results_dir() / "generate"
+        folder = args.out or results_dir("generate")
         with open(folder / "generate.csv") as f:
             rows = [{**r, "batch": int(r["batch"]), "prompt": int(r["prompt"])}
                     for r in csv.DictReader(f)]
@@ -246,9 +246,8 @@ def main(argv=None) -> int:
     prompts = args.prompt or ([1024, 8192, 32768] if on_gpu else [32, 64])
     layers = args.layers or (32 if on_gpu else 2)
     warnings.simplefilter("ignore")
-    out_dir = args.out or results_dir() / "generate"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "generate", COLUMNS, sys.argv)
+    out_dir = output_dir(args.out, "generate")
+    results = ResultsWriter(out_dir, "generate", COLUMNS, argv)
     pairs = pairs or [(batch, prompt) for batch in batches for prompt in prompts]
     points = [(shape, cache, batch, prompt) for shape in shapes for cache in args.cache
               for batch, prompt in pairs]

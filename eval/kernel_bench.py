@@ -377,7 +377,7 @@ def main(argv=None) -> int:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.simplefilter("ignore")
-    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv)
+    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, argv)
     points = []
     for dtype, d, causal, (hq, hkv), batch, seq, window, pad in itertools.product(
             args.dtype, args.head_dim, causal_values, heads, args.batch, args.seq, args.window,

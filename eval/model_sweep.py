@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     models = args.models or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out, "model_sweep", COLUMNS, sys.argv)
+    writer = ResultsWriter(out, "model_sweep", COLUMNS, argv)
     counts: dict = {}
     bugs = []  # ours: wrong results, or an error in a model that takes attention functions
     for model_type in models:

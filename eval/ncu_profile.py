@@ -190,11 +190,11 @@ def main(argv=None) -> int:
     if args.variant and args.schedule:
         raise SystemExit("ncu_profile: --schedule applies without --variant only")
     causal = args.variant or ("causal" if args.causal else "noncausal")
-    args.out = args.out or results_dir() / "ncu" / (
+    args.out = args.out or results_dir("ncu") / (
         f"{args.dtype}-b{args.batch}-h{args.heads.replace('/', '-')}-s{args.seq}"
         f"-d{args.head_dim}-{causal}{'-backward' if args.backward else ''}")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(args.out, "ncu_summary", COLUMNS, sys.argv)
+    results = ResultsWriter(args.out, "ncu_summary", COLUMNS, argv)
     for backend in args.backends:
         for kernel in profile_backend(backend, args, ncu):
             for row in summarise(backend, kernel):

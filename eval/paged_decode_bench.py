@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
 from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
 
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
               "(numbers say nothing).")
     requests_list = args.requests or ([32, 64, 128, 256] if cuda else [4])
     keys_list = args.keys or ([1024, 4096, 16384] if cuda else [300])
-    out_dir = args.out or results_dir() / "serve"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out_dir, "paged_decode", COLUMNS, sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "serve")
+    writer = ResultsWriter(out_dir, "paged_decode", COLUMNS, argv)
     reps = args.reps if cuda else 2
     for requests in requests_list:
         for keys in keys_list:

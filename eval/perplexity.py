@@ -29,7 +29,7 @@ import eval.quiet_bars  # noqa: E402,F401  (before torch imports tqdm)
 import torch  # noqa: E402
 
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
+from eval.common import ResultsWriter, progress, output_dir  # noqa: E402
 from eval.models import FP8_CACHE_BACKEND, IMPLEMENTATIONS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,9 +158,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model, **(
         {"gguf_file": args.gguf_file} if args.gguf_file else {}))
     texts = load_texts(args)
-    out_dir = args.out or results_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "perplexity", COLUMNS, sys.argv)
+    out_dir = output_dir(args.out)
+    results = ResultsWriter(out_dir, "perplexity", COLUMNS, argv)
     for text_name, text in texts:
         ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
         if args.max_tokens:

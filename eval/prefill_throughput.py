@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import (DTYPES, ResultsWriter, label_lengths, results_dir,  # noqa: E402
+from eval.common import (DTYPES, ResultsWriter, label_lengths, output_dir,  # noqa: E402
                          save_figure)
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from hf_tiled_attention.timing import median_ms  # noqa: E402
@@ -113,9 +113,8 @@ def main(argv=None) -> int:
         ["llama3-8b", "mistral-7b"] if on_gpu else ["tiny-llama"])
     seqs = args.seq or ([512, 2048, 8192, 16384, 32768] if on_gpu else [64, 256])
     warnings.simplefilter("ignore")
-    out_dir = args.out or results_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "prefill", COLUMNS, sys.argv)
+    out_dir = output_dir(args.out)
+    results = ResultsWriter(out_dir, "prefill", COLUMNS, argv)
     targets = [(name, build_config(name, args.layers)) for name in shapes]
     if args.model:
         from transformers import AutoConfig

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, progress, results_dir  # noqa: E402
+from eval.common import ResultsWriter, progress, output_dir  # noqa: E402
 from eval.generate_throughput import timed_generate  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
@@ -94,9 +94,8 @@ def main(argv=None) -> int:
     batches = args.batch or ([1, 8] if on_gpu else [1, 2])
     prompts = args.prompt or ([1024, 8192] if on_gpu else [32])
     warnings.simplefilter("ignore")
-    out_dir = args.out or results_dir() / "generate"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "decode_step_profile", COLUMNS, sys.argv)
+    out_dir = output_dir(args.out, "generate")
+    results = ResultsWriter(out_dir, "decode_step_profile", COLUMNS, argv)
     config = build_config(shape, layers)
     models = build_models(args.backends, config, dtype, device)
     listing = []

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
-from eval.common import ResultsWriter, results_dir  # noqa: E402
+from eval.common import ResultsWriter, output_dir  # noqa: E402
 from eval.models import SHAPES, build_config, model_device  # noqa: E402
 from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
                             step_fields)
@@ -77,10 +77,8 @@ def main(argv=None) -> int:
     backends = args.backends or (["tiled", "flex_attention"] if on_gpu else ["tiled", "sdpa"])
     scale = 1 if on_gpu else 64
     warnings.simplefilter("ignore")
-    out_dir = args.out or results_dir() / "train"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "train_step_profile", COLUMNS,
-                            sys.argv if argv is None else argv)
+    out_dir = output_dir(args.out, "train")
+    results = ResultsWriter(out_dir, "train_step_profile", COLUMNS, argv)
 
     from transformers import AutoModelForCausalLM
     config = build_config(shape, args.layers)

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import hf_tiled_attention  # noqa: E402,F401  (registers "tiled" and "paged|tiled")
 from hf_tiled_attention import serving  # noqa: E402
-from eval.common import ResultsWriter, results_dir, save_figure  # noqa: E402
+from eval.common import ResultsWriter, output_dir, save_figure  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 
 BACKENDS = ["tiled", "sdpa", "eager"]
@@ -225,8 +225,7 @@ def main(argv=None) -> int:
         concurrency = args.concurrency or [4]
         prompt, new = tuple(args.prompt or (8, 40)), tuple(args.new_tokens or (3, 8))
         budget = args.max_batch_tokens or 256
-    out_dir = args.out or results_dir() / "serve"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args.out, "serve")
     writer = ResultsWriter(out_dir, "serve", COLUMNS, [sys.argv[0], *argv])
     sources = [(shape, build_config(shape, layers)) for shape in shapes]
     if args.gguf is not None:

@@ -28,7 +28,7 @@ import hf_tiled_attention as hta  # noqa: E402
 from hf_tiled_attention import variants as V  # noqa: E402
 from hf_tiled_attention.mods import index_grid  # noqa: E402
 from eval.common import (DTYPES, ResultsWriter, checked, first_call,  # noqa: E402
-                         label_lengths, parse_heads, results_dir, save_figure, timed)
+                         label_lengths, parse_heads, output_dir, save_figure, timed)
 
 COLUMNS = ["variant", "backend", "dtype", "batch", "heads_q", "heads_kv", "seq", "head_dim",
            "visible", "ms", "tflops", "gpu_ms", "gpu_tflops", "max_err", "status", "reason"]
@@ -250,9 +250,8 @@ def main(argv=None) -> int:
         heads_q, heads_kv = min(heads_q, 4), min(heads_kv, 2)
         args.reps, args.warmup = min(args.reps, 2), min(args.warmup, 1)
     warnings.simplefilter("ignore")
-    out_dir = args.out or results_dir() / "variants"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, sys.argv, append=args.append)
+    out_dir = output_dir(args.out, "variants")
+    results = ResultsWriter(out_dir, "kernel_sweep", COLUMNS, argv, append=args.append)
     for dtype in args.dtype:
         for head_dim in head_dims:
             for seq in seqs:
