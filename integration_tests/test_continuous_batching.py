@@ -8,11 +8,16 @@ the runs go to a subprocess on the transformers 5.17 that .ci/install.sh puts in
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -157,3 +162,80 @@ def test_model_with_its_own_flash_kernels_is_refused_on_newer_transformers():
         pytest.skip("transformers 5.17-5.18 serve gpt-oss through 'paged|tiled' (test above)")
     with pytest.raises(RuntimeError, match=r"gives GptOssForCausalLM its own kernels"):
         hta.check_serving(build("gpt_oss", "tiled"))
+
+
+def test_transformers_serve_runs_on_the_kernels(tmp_path):
+    """``transformers serve --continuous-batching --attn-implementation
+    hf-tiled-attention/flash-tiled`` (the README's command line, LOCAL_KERNELS from ``python -m
+    hf_tiled_attention.hub_kernel``) on a tiny Llama saved to a folder: three concurrent chat
+    requests get eager's greedy tokens, and every layer of every step ran the packed-requests
+    op (counted in the model's process: serve_runs.py)."""
+    if serving.serves_custom_attention():
+        pytest.skip("transformers 5.17-5.18: `transformers serve` cannot load 'tiled' (the "
+                    "server does not import this package) and has no Hub-kernel route")
+    from transformers.utils.import_utils import is_serve_available
+    if not is_serve_available():
+        pytest.fail("transformers serve needs its extras: pip install 'transformers[serving]' "
+                    "(in the package's test extras)")
+    import serve_runs
+    folder, counts = tmp_path / "model", tmp_path / "calls.txt"
+    serve_runs.save(folder)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    kernel_dirs = subprocess.run([sys.executable, "-m", "hf_tiled_attention.hub_kernel"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    env = dict(os.environ, LOCAL_KERNELS=kernel_dirs)
+    command = [sys.executable, str(REPO / "integration_tests" / "serve_runs.py"), "serve",
+               str(counts), str(folder), "--continuous-batching", "--attn-implementation",
+               hta.serving.FLASH_KERNEL, "--device", "cpu", "--port", str(port)]
+    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    prompts = [[5, 9, 17, 33, 4], [7, 3, 60, 61, 62, 63, 99, 12, 40], [8, 100]]
+    new_tokens = 8
+    try:
+        base = f"http://localhost:{port}"
+        _wait_for(server, f"{base}/v1/models", timeout=240)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda ids: _chat(base, str(folder), ids, new_tokens),
+                                    prompts))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        log = server.communicate(timeout=60)[0]
+    model = build("llama", "eager")
+    for ids, reply in zip(prompts, replies):
+        prompt = torch.tensor([ids])
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)[0, len(ids):].tolist()
+        assert reply == [f"w{t}" for t in want], (ids, reply, want, log[-3000:])
+    calls = counts.read_text().split() if counts.exists() else []
+    # 2 layers a step; each request's prompt and new tokens take at least new_tokens steps
+    assert calls.count("varlen") >= 2 * new_tokens and calls.count("varlen") % 2 == 0, \
+        (calls, log[-3000:])
+
+
+def _wait_for(server: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"transformers serve exited ({server.returncode}): "
+                        f"{server.communicate()[0][-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"transformers serve did not answer {url} within {timeout} s")
+
+
+def _chat(base: str, model: str, ids: list[int], new_tokens: int) -> list[str]:
+    """One chat request (greedy: the model folder's generation config); the reply's words."""
+    body = {"model": model, "max_tokens": new_tokens,
+            "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in ids)}]}
+    request = urllib.request.Request(f"{base}/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        reply = json.loads(response.read())
+    return reply["choices"][0]["message"]["content"].split()
