@@ -47,6 +47,43 @@ def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[l
     return [list(r.generated_tokens) for r in ordered]
 
 
+def greedy_manager(model, requests, device="cpu") -> list[list[int]]:
+    """Greedy tokens through the manager API (``init_continuous_batching``, ``add_request``,
+    ``get_result``), in request order: half the requests added before it starts, the rest
+    while it runs, once the first result is out (as a server adds them)."""
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
+    manager = model.to(device).init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
+                                                            max_batch_tokens=256))
+    first = len(requests) // 2
+    results = {}
+    manager.start()
+    try:
+        for index, ids in enumerate(requests):
+            if index == first:  # the rest arrive after the first request is done
+                while not results:
+                    _collect(manager, results)
+            manager.add_request(ids, request_id=f"request_{index}", max_new_tokens=NEW_TOKENS)
+        while len(results) < len(requests):
+            _collect(manager, results)
+    finally:
+        manager.stop(block=True, timeout=60)
+    return [results[f"request_{index}"] for index in range(len(requests))]
+
+
+def _collect(manager, results: dict) -> None:
+    result = manager.get_result(timeout=120)
+    if result is None:
+        raise RuntimeError("the continuous-batching manager stopped or gave no result in 120 s")
+    if result.error:
+        raise RuntimeError(f"{result.request_id}: {result.error}")
+    if result.is_finished():
+        results[result.request_id] = list(result.generated_tokens)
+
+
 def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
     """Greedy tokens of ``generate()``, each request alone."""
     model = model.to(device)
@@ -61,10 +98,11 @@ def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
 
 
 def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
-        implementation: str = "tiled") -> dict:
+        implementation: str = "tiled", manager: bool = False) -> dict:
     """Greedy tokens of eager and of ``implementation`` ("tiled", or the tiled kernels' Hub-
     kernel name) under continuous batching for ``name``'s tiny model, the kernel's call count,
-    and how many of those calls read the paged cache in place."""
+    and how many of those calls read the paged cache in place. ``manager``: ``implementation``
+    through the manager API, requests arriving while it runs (:func:`greedy_manager`)."""
     requests = prompts()
     eager_model = build(name, "eager").to(dtype)
     if getattr(eager_model.config, "attn_logit_softcapping", None):
@@ -80,8 +118,9 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
         return real(*args, **kwargs)
 
     with mock.patch.object(varlen, "varlen_attention", counted):
-        tiled = greedy_batch(build(name, implementation).to(dtype), requests, max_batch_tokens,
-                             device)
+        model = build(name, implementation).to(dtype)
+        tiled = greedy_manager(model, requests, device) if manager else \
+            greedy_batch(model, requests, max_batch_tokens, device)
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
 
@@ -102,7 +141,11 @@ if __name__ == "__main__":
     if names and names[0] == "--refusal":
         print(json.dumps(refusal(names[1])), flush=True)
         sys.exit(0)
+    through_manager = bool(names) and names[0] == "--manager"
+    if through_manager:
+        names.pop(0)
     if names and names[0].startswith("--max-batch-tokens="):
         budget = int(names.pop(0).split("=", 1)[1])
     for model_name in names:
-        print(json.dumps(run(model_name, max_batch_tokens=budget)), flush=True)
+        print(json.dumps(run(model_name, max_batch_tokens=budget, manager=through_manager)),
+              flush=True)

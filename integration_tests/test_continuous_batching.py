@@ -72,6 +72,26 @@ def test_generate_batch_matches_eager(max_batch_tokens):
         assert (r["paged"] == 0) == sliding_only, r
 
 
+def test_manager_api_matches_eager():
+    """The manager API (``init_continuous_batching``, ``add_request`` while it runs,
+    ``get_result``) on each version's route: "paged|tiled" on transformers 5.17 (here or in a
+    subprocess), the Hub-kernel name on newer ones."""
+    names = ["llama", "gemma2"]
+    if serving.serves_custom_attention():
+        from continuous_batching_runs import run
+        runs = [run(name, manager=True) for name in names]
+    else:
+        runs = _in_old_transformers(["--manager"] + names)
+        pytest.importorskip("kernels")
+        from continuous_batching_runs import run
+        runs += [run(name, implementation=hta.flash_kernel(), manager=True) for name in names]
+    assert len(runs) in (2, 4)
+    for r in runs:
+        assert r["tiled"] == r["eager"], r["model"]
+        assert len(r["tiled"]) == 6 and all(len(t) == 10 for t in r["tiled"])
+        assert r["calls"] >= 2 * 10 and r["calls"] % 2 == 0, r
+
+
 @pytest.mark.parametrize("max_batch_tokens", [None, 24], ids=["one-batch", "chunked-prefill"])
 def test_hub_kernel_route_matches_eager(max_batch_tokens):
     """The route of transformers 5.19+: the tiled kernels loaded as a Hub kernel (the `kernels`
