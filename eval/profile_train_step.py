@@ -35,10 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, output_dir  # noqa: E402
-from eval.models import SHAPES, build_config, model_device  # noqa: E402
+from eval.models import SHAPES, model_device  # noqa: E402
 from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
                             step_fields)
-from eval.train_throughput import BACKENDS, BATCHINGS, make_batch, step  # noqa: E402
+from eval.train_throughput import (BACKENDS, BATCHINGS, make_batch, step,  # noqa: E402
+                                   training_model)
 
 COLUMNS = ["model", "layers", "backend", "batching", "step_ms", "gpu_busy_ms",
            "attention_gpu_ms", "other_gpu_ms", "gpu_idle_ms", "kernels", "host_attention_ms",
@@ -80,12 +81,7 @@ def main(argv=None) -> int:
     out_dir = output_dir(args.out, "train")
     results = ResultsWriter(out_dir, "train_step_profile", COLUMNS, argv)
 
-    from transformers import AutoModelForCausalLM
-    config = build_config(shape, args.layers)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=backends[0])
-    model.train()
+    config, model = training_model(shape, args.layers, device, dtype, backends[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     listing = []
     for batching in args.batchings:

@@ -91,6 +91,17 @@ def real_tokens(batch: dict) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
+def training_model(shape: str, layers: int, device, dtype, backend: str):
+    """``(config, model)``: ``shape``'s model with ``layers`` layers and random weights on
+    ``device``, in training mode, its attention ``backend``."""
+    from transformers import AutoModelForCausalLM
+    config = build_config(shape, layers)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=backend)
+    return config, model.train()
+
+
 def step(model, optimizer, batch: dict, cuda: bool) -> tuple[float, float, float]:
     """(ms, loss, peak GiB) of one training step."""
     if cuda:
@@ -198,12 +209,7 @@ def main(argv=None) -> int:
     out_dir = output_dir(args.out, "train")
     results = ResultsWriter(out_dir, "train", COLUMNS, argv)
 
-    from transformers import AutoModelForCausalLM
-    config = build_config(shape, args.layers)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=backends[0])
-    model.train()
+    config, model = training_model(shape, args.layers, device, dtype, backends[0])
     if args.bias == "alibi":
         backends = with_alibi(model, backends)
         shape = f"{shape}+alibi"
