@@ -51,6 +51,10 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             n_embd=64, n_layer=2, n_head=4, d_model=64, num_layers=2, num_heads=4,
             ffn_hidden_size=128, moe_intermediate_size=32, num_experts=2, num_local_experts=2,
             num_experts_per_tok=1, n_routed_experts=2)
+# Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash, LongCat; configs with
+# kv_lora_rank): a key per query head, and query/key heads (rope + nope parts) wider than values'
+MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+           kv_lora_rank=32, q_lora_rank=32, n_group=1, topk_group=1, first_k_dense_replace=1)
 ATOL = 1e-4
 NEW_TOKENS = 6
 MEMORY_LIMIT = 12 * 2**30  # bytes of address space per model
@@ -98,6 +102,8 @@ def _one(model_type: str) -> dict:
     with torch.no_grad():
         try:
             config = transformers.AutoConfig.for_model(model_type, **TINY)
+            if hasattr(config, "kv_lora_rank"):
+                config = transformers.AutoConfig.for_model(model_type, **{**TINY, **MLA})
             eager = build("eager")
             logits_e = eager(ids, attention_mask=mask).logits
         except Exception as error:  # noqa: BLE001  (any failure: the config is not for it)
