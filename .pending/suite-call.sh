@@ -9,7 +9,7 @@ set -u
 export PYTHONPATH=.:${PYTHONPATH:-}
 part=${1:?say a, b1 or b2}
 case $part in
-  a) args="tests/test_varlen_gpu.py tests/test_kernel_gpu.py tests/test_variants_gpu.py tests/test_fp8_gpu.py tests/test_fp8_cache_gpu.py integration_tests" ;;
+  a) args="tests/test_varlen_gpu.py tests/test_kernel_gpu.py tests/test_variants_gpu.py tests/test_fp8_gpu.py tests/test_fp8_cache_gpu.py tests/test_value_head_dim.py integration_tests" ;;
   b1|b2) args=$(cat exp/part_$part.ids) ;;
   *) echo "part: expected a, b1 or b2, got $part"; exit 2 ;;
 esac
