@@ -55,6 +55,11 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 # kv_lora_rank): a key per query head, and query/key heads (rope + nope parts) wider than values'
 MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
            kv_lora_rank=32, q_lora_rank=32, n_group=1, topk_group=1, first_k_dense_replace=1)
+# Hybrid models (linear-attention or Mamba layers beside attention ones) whose first two
+# layers hold no attention layer (eager then fails in the cache): the tiny sizes with one,
+# tried in turn after the plain ones fail.
+HYBRID = [dict(layer_types=["linear_attention", "full_attention"]), dict(attn_layer_indices=[1]),
+          dict(num_hidden_layers=4), dict(num_hidden_layers=8)]
 ATOL = 1e-4
 NEW_TOKENS = 6
 MEMORY_LIMIT = 12 * 2**30  # bytes of address space per model
@@ -100,14 +105,20 @@ def _one(model_type: str) -> dict:
                               min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
     with torch.no_grad():
-        try:
-            config = transformers.AutoConfig.for_model(model_type, **TINY)
-            if hasattr(config, "kv_lora_rank"):
-                config = transformers.AutoConfig.for_model(model_type, **{**TINY, **MLA})
-            eager = build("eager")
-            logits_e = eager(ids, attention_mask=mask).logits
-        except Exception as error:  # noqa: BLE001  (any failure: the config is not for it)
-            return dict(row, status="untested", message=_first_line(error))
+        first_error = None
+        for extra in [{}] + HYBRID:
+            try:
+                sizes = {**TINY, **extra}
+                config = transformers.AutoConfig.for_model(model_type, **sizes)
+                if hasattr(config, "kv_lora_rank"):
+                    config = transformers.AutoConfig.for_model(model_type, **{**sizes, **MLA})
+                eager = build("eager")
+                logits_e = eager(ids, attention_mask=mask).logits
+                break
+            except Exception as error:  # noqa: BLE001  (any failure: the config is not for it)
+                first_error = first_error or error
+        else:
+            return dict(row, status="untested", message=_first_line(first_error))
         row["attention_backend"] = type(eager)._supports_attention_backend
         keep = mask.bool()
         tolerance = ATOL
