@@ -220,8 +220,7 @@ def test_transformers_serve_runs_on_the_kernels(tmp_path):
             replies = list(pool.map(lambda ids: _chat(base, str(folder), ids, new_tokens),
                                     prompts))
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        log = server.communicate(timeout=60)[0]
+        log = _stop(server)
     model = build("llama", "eager")
     for ids, reply in zip(prompts, replies):
         prompt = torch.tensor([ids])
@@ -233,6 +232,21 @@ def test_transformers_serve_runs_on_the_kernels(tmp_path):
     # 2 layers a step; each request's prompt and new tokens take at least new_tokens steps
     assert calls.count("varlen") >= 2 * new_tokens and calls.count("varlen") % 2 == 0, \
         (calls, log[-3000:])
+
+
+def _stop(server: subprocess.Popen) -> str:
+    """Stops the server and its model process (one process group); returns its output."""
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        if server.poll() is None:
+            try:
+                os.killpg(server.pid, stop)
+            except ProcessLookupError:
+                pass
+        try:
+            return server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
 
 
 def _wait_for(server: subprocess.Popen, url: str, timeout: float) -> None:
