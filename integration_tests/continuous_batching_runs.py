@@ -32,15 +32,20 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[list[int]]:
-    """Greedy tokens of ``generate_batch`` (no EOS, a fixed count), in request order. The
-    cache's pages hold 16 tokens, so a request's keys lie on several pages."""
+def _configs(max_batch_tokens=None) -> tuple[GenerationConfig, ContinuousBatchingConfig]:
+    """Greedy generation (no EOS, a fixed count) and the batching: pages of 16 tokens, so a
+    request's keys lie on several pages; a small token budget splits prompts into chunks
+    (prefill after a cached part)."""
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
-    # A small token budget splits prompts into chunks (prefill after a cached part).
     page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
-    batching = ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
-                                        max_batch_tokens=max_batch_tokens or 256)
+    return config, ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
+                                            max_batch_tokens=max_batch_tokens or 256)
+
+
+def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[list[int]]:
+    """Greedy tokens of ``generate_batch``, in request order (:func:`_configs`)."""
+    config, batching = _configs(max_batch_tokens)
     results = model.to(device).generate_batch(requests, generation_config=config,
                                                continuous_batching_config=batching)
     ordered = sorted(results.values(), key=lambda r: int(r.request_id.split("_")[-1]))
@@ -51,13 +56,9 @@ def greedy_manager(model, requests, device="cpu") -> list[list[int]]:
     """Greedy tokens through the manager API (``init_continuous_batching``, ``add_request``,
     ``get_result``), in request order: half the requests added before it starts, the rest
     while it runs, once the first result is out (as a server adds them)."""
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
-    page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
-    manager = model.to(device).init_continuous_batching(
-        generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
-                                                            max_batch_tokens=256))
+    config, batching = _configs()
+    manager = model.to(device).init_continuous_batching(generation_config=config,
+                                                        continuous_batching_config=batching)
     first = len(requests) // 2
     results = {}
     manager.start()
