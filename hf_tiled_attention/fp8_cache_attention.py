@@ -29,8 +29,9 @@ from .layer_call import LayerCall, read_call, route_for
 from .memo import memoize
 from .reference import empty_output
 from .schedule import (DECODE_QUERY_ROWS, FP8_CACHE_KEYS, FP8_CACHE_LATENCY,
-                       FP8_CACHE_OCCUPANCY, FP8_CACHE_PV_PARTS, FP8_CACHE_QK_PARTS,
-                       FP8_CACHE_QUANT_TOKENS, FP8_CACHE_ROWS, Schedule, head_dim_tile)
+                       FP8_CACHE_OCCUPANCY, FP8_CACHE_PV_PARTS,
+                       FP8_CACHE_QK_PARTS, FP8_CACHE_QUANT_TOKENS, FP8_CACHE_ROWS, Schedule,
+                       fp8_cache_pv_fast_acc, head_dim_tile)
 
 __all__ = ["attend_cache_rows", "cache_kernels_run_on", "decode", "decode_plan", "decode_step"]
 
@@ -211,6 +212,7 @@ def decode_plan(batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int
     constants[K.SPLIT] = splits > 1
     constants[K.K_LATENCY], constants[K.V_LATENCY] = FP8_CACHE_LATENCY
     constants[K.QK_PARTS], constants[K.PV_PARTS] = FP8_CACHE_QK_PARTS, FP8_CACHE_PV_PARTS
+    constants[K.PV_FAST_ACC] = fp8_cache_pv_fast_acc(head_dim)
     merge = None
     if splits > 1:
         merge = merge_constants(g_tile, min(rows, next_power_of_two(seq_q)), splits, head_dim,

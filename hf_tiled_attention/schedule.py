@@ -526,3 +526,12 @@ FP8_CACHE_LATENCY = (2, 4)  # K's and V's load latency hints, as the bf16 kernel
 FP8_CACHE_QK_PARTS = 0      # QK^T: 0 in 16 bits (K converted); 1 or 2 e4m3 query parts
 FP8_CACHE_PV_PARTS = 2      # PV: 0 in 16 bits (V converted); 1 or 2 e4m3 probability parts
 FP8_CACHE_QUANT_TOKENS = 64
+
+
+def fp8_cache_pv_fast_acc(head_dim: int) -> bool:
+    """Whether the decode kernel's e4m3 PV MMAs use fast accumulation (no fp32 add of each
+    MMA's result into the accumulator: 128 FADD fewer per 64-key step in the sm_90 cubin at
+    D=128). A CPU emulation of sm_90's truncated accumulation put PV's error at bf16's
+    (1.0-1.2e-3, perf-notes step 55); not yet timed. Not at D=256, where it spills more (sm_90
+    cubin: 1136 B of stack against 904)."""
+    return head_dim_tile(head_dim) <= 128

@@ -191,6 +191,7 @@ CUBIN_CASES = {  # (B, Hq, Hkv, Sq, Skv, D), options, key mask, SMs (0: no split
     "d96-speculative-unsplit": ((2, 16, 16, 4, 1000, 96), {}, True, 0),
     "d256-mqa-16-queries": ((1, 64, 8, 16, 2000, 256), dict(softcap=20.0), False, 132),
     "static-mask-not-causal": ((3, 12, 4, 1, 777, 128), dict(causal=False), True, 132),
+    "speculative-window": ((2, 16, 4, 5, 2600, 128), dict(window=300), False, 132),
 }
 
 

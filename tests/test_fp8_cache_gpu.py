@@ -62,6 +62,10 @@ CASES = {
     "speculative-4": ((2, 28, 4, 4, 1500, 128), dict(is_causal=True), False, True),
     "mqa-16-queries": ((1, 32, 1, 16, 2500, 256), dict(is_causal=True), False, True),
     "d96-not-causal": ((2, 12, 4, 1, 1000, 96), {}, True, False),
+    # five queries whose windows start and end in different key tiles: masked tiles at both
+    # ends of a run of whole ones, and a split's share starting inside either
+    "speculative-window": ((2, 16, 4, 5, 2600, 128), dict(is_causal=True, window=300), False,
+                           True),
 }
 
 
@@ -106,8 +110,9 @@ def test_decode_matches_the_definition(case, dtype):
     k, v = (dequantize_rows(r, torch.float32) for r in (k_rows, v_rows))
     want = definition(q.double(), k.double(), v.double(), mask, **options)[0]
     # the probabilities (times V's scales) enter PV's e4m3 MMA as two e4m3 parts, ~8
-    # significant bits as bf16's, whatever the query's dtype; the outlier channel (_states)
-    # is what an e4m3 QK^T fails: 1.0-2.0e-2 on the H200
+    # significant bits as bf16's, whatever the query's dtype (fast accumulation below D=256:
+    # schedule.fp8_cache_pv_fast_acc); the outlier channel (_states) is what an e4m3 QK^T
+    # fails: 1.0-2.0e-2 on the H200
     assert rel_rms(out, want) < 1e-2
 
 
