@@ -161,6 +161,12 @@ class _Fp8Rows:
         super().lazy_initialization(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[-1] != value_states.shape[-1]:
+            raise ValueError(
+                f"FP8 cache: keys and values of different head dims ({key_states.shape[-1]} "
+                f"and {value_states.shape[-1]}: multi-head latent attention, e.g. DeepSeek) "
+                "are not supported; use transformers' DynamicCache or StaticCache with "
+                "attn_implementation='tiled'")
         return super().update(quantize_keys(key_states), quantize_rows(value_states), *args,
                               **kwargs)
 

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from . import autotune
+from . import autotune, value_head_dim
 from .call_options import NO_OVERRIDES, CallOptions, call_options
 from .checks import check_inputs, check_options, check_sinks
 from .determinism import deterministic
@@ -70,7 +70,10 @@ def tiled_attention(
         query: ``(B, Hq, Sq, D)``; may be a strided view (e.g. ``(B, S, H, D)`` transposed).
         key, value: ``(B, Hkv, Skv, D)`` with ``Hq % Hkv == 0`` (GQA/MQA, K/V never repeated).
             fp16, bf16 or fp32 (fp32 runs the kernel's TF32 variant on GPU); ``D`` a multiple
-            of 8 from 16 to 256.
+            of 8 from 16 to 256. ``value`` may have a head dim ``Dv`` of its own
+            (multi-head latent attention); the narrower side is padded with zero columns up
+            to the wider (value_head_dim.py), which must be in that range, and the output
+            has ``Dv``.
         attn_mask: bool (True = may attend) or additive float, broadcastable to
             ``(B, Hq, Sq, Skv)``. Key tiles it hides entirely are skipped; the per-tile table
             that says which is built once per mask tensor and reused while the tensor is
@@ -105,10 +108,20 @@ def tiled_attention(
             ``Z / (Z + exp(sinks[h]))``; a row with no visible key stays exactly 0.
 
     Returns:
-        ``out`` ``(B, Hq, Sq, D)`` in the input dtype, or ``(out, lse)``. A query row with no
+        ``out`` ``(B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)``. A query row with no
         visible key gets an output of exactly 0 and an LSE of ``-inf`` (with ``sinks``: the
         sink's logit; the LSE always covers every term of the softmax).
     """
+    if value_head_dim.differs(query, key, value):
+        query, key, value, scale, value_dim = value_head_dim.padded_to_one_head_dim(
+            query, key, value, scale)
+        result = tiled_attention(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
+                                 window=window, softcap=softcap, schedule=schedule,
+                                 return_lse=return_lse, score_mod=score_mod,
+                                 mask_mod=mask_mod, sinks=sinks)
+        if return_lse:
+            return result[0][..., :value_dim], result[1]
+        return result[..., :value_dim]
     check_inputs(query, key, value)
     check_options(is_causal, scale, window, softcap, schedule, return_lse)
     check_sinks(sinks, query)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import value_head_dim
 from .checks import check_inputs
 from .documents import key_documents, same_document, same_document_dense
 from .fp8_cache import is_fp8_rows
@@ -84,6 +85,12 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if is_fp8_rows(key):
         return attend_cache_rows(tiled_attention_forward, module, query, key, value,
                                  attention_mask, scaling, dropout, kwargs)
+    if value_head_dim.differs(query, key, value):  # multi-head latent attention (DeepSeek)
+        query, key, value, scaling, value_dim = value_head_dim.padded_to_one_head_dim(
+            query, key, value, scaling)
+        out, _ = tiled_attention_forward(module, query, key, value, attention_mask, scaling,
+                                         dropout, **kwargs)
+        return out[..., :value_dim], None
     repeat_key = None
     if type(attention_mask) is TiledMask and not torch.is_grad_enabled() and \
             not torch.compiler.is_compiling():

@@ -53,6 +53,12 @@ def make_config(name: str):
             head_dim=16, sliding_window=WINDOW, moe_intermediate_size=32, num_experts=2,
             num_experts_per_tok=1, num_shared_experts=1, num_dense_layers=1,
             layer_types=["sliding_attention", "full_attention"]))
+    if name == "deepseek_v3":  # multi-head latent attention: query/key heads 32, values 16
+        return transformers.DeepseekV3Config(**_common(
+            num_key_value_heads=4, head_dim=16, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, n_routed_experts=2,
+            num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+            moe_intermediate_size=32))
     if name == "llama4":  # text only: chunked attention (chunks of 8) on its first layer
         return transformers.Llama4TextConfig(**_common(
             head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2,
@@ -61,7 +67,7 @@ def make_config(name: str):
 
 
 ALL_MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss",
-              "afmoe"]
+              "afmoe", "deepseek_v3"]
 # Models whose masks transformers builds with overlays (tested on their own).
 OVERLAY_MODELS = ["llama4"]
 SLIDING_MODELS = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]

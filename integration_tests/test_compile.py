@@ -14,7 +14,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2", "gpt_oss", "deepseek_v3"])
 def test_compiled_forward_fullgraph(name):
     """fullgraph=True: any graph break (ours included) fails the compile."""
     tiled, eager = pair(name)

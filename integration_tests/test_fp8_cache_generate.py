@@ -251,3 +251,14 @@ def test_compiled_static_generate_matches_eager_launches():
                                        do_sample=False, pad_token_id=0, past_key_values=cache,
                                        disable_compile=not compiled))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_keys_and_values_of_different_head_dims_are_refused():
+    """Multi-head latent attention (DeepSeek) stores values narrower than keys: the FP8 cache's
+    rows have one head dim, so it says so before anything is stored."""
+    model = build("deepseek_v3", "tiled")
+    ids = torch.randint(3, 100, (1, 6))
+    with pytest.raises(ValueError, match=r"FP8 cache: keys and values of different head dims "
+                                         r"\(32 and 16"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                       past_key_values=hta.Fp8DynamicCache(config=model.config), pad_token_id=0)

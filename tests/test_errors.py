@@ -16,7 +16,7 @@ def qkv(b=1, hq=4, hkv=2, sq=8, skv=8, d=32, dtype=torch.float32):
     (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "query must be float16"),
     (lambda q, k, v: (q[0], k, v), ValueError, r"query must be 4-D \(B, Hq, Sq, D\)"),
     (lambda q, k, v: (q, k[0], v), ValueError, r"key must be 4-D"),
-    (lambda q, k, v: (q, k, v[..., :16]), ValueError, "key and value must have the same shape"),
+    (lambda q, k, v: (q, k, v[:, :, :-1]), ValueError, "key and value must have the same shape"),
     (lambda q, k, v: (q[:, :3], k, v), ValueError, r"query heads \(3\) must be a multiple"),
     (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), ValueError, "head dim must be a multiple of 8"),
     (lambda q, k, v: (q, k[..., :16], v[..., :16]), ValueError, "head dim 16 does not match"),
