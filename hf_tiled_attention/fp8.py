@@ -194,7 +194,7 @@ def quantize_launches(query, key, value) -> tuple[Fp8Inputs, list[tuple]]:
     inv_sqrt = 1.0 / math.sqrt(padded)
 
     def constants(group):
-        c = [0] * 3
+        c = [0] * K.CONSTANTS
         c[K.TILE_T], c[K.TILE_D], c[K.GROUP] = tokens, padded, group
         return tuple(c)
     return o, [
@@ -299,7 +299,7 @@ def launch_args(inputs: Fp8Inputs, out: torch.Tensor, is_causal: bool, scale: fl
     batch, heads_q, seq_q, padded = inputs.q8.shape
     heads_kv, seq_kv = inputs.k8.shape[1], inputs.k8.shape[2]
     tile_m, tile_n = fp8_tiles(out.shape[-1])
-    constants = [0] * 9
+    constants = [0] * K.CONSTANTS
     constants[K.TILE_M], constants[K.TILE_N], constants[K.TILE_D] = tile_m, tile_n, padded
     constants[K.GROUP] = heads_q // heads_kv
     constants[K.CAUSAL], constants[K.WINDOWED] = bool(is_causal), window is not None

@@ -33,6 +33,7 @@ WINDOWED = 5
 SOFTCAP = 6
 SINKS = 7
 FAST_ACC = 8   # the FP8 MMA's fast accumulation (fp8_mma_probe: e4m3 outruns bf16 only with it)
+CONSTANTS = 9  # the tuple's length
 
 
 def fp8_forward(Q8, QScale, K8, KScale, KBias, Vt8, VScale, Sinks, Out,

@@ -25,6 +25,7 @@ from .kernel_params import AMAX_FLOOR, E4M3_MAX
 TILE_T = 0    # tokens per block
 TILE_D = 1    # head dim rounded up to a power of two (extra columns read as zeros)
 GROUP = 2     # quantize_rows: query heads per key head whose bias rows to write (0: none)
+CONSTANTS = 3  # the tuple's length
 
 
 def token_tile(X, C):

@@ -96,8 +96,8 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     launches, after one that marks the requests whose key tiles are whole blocks of the cache
     (varlen_kernel.whole_tile_requests): one reads those by block loads, one gathers the
     others' keys row by row."""
-    from .varlen_kernel import (BLOCKS, G_TILE, PAGED, PREFETCH, SINKS, SOFTCAP, TILE_D, TILE_M,
-                                TILE_N, WINDOWED, whole_tile_requests_kernel)
+    from .varlen_kernel import (BLOCKS, CONSTANTS, G_TILE, PAGED, PREFETCH, SINKS, SOFTCAP,
+                                TILE_D, TILE_M, TILE_N, WINDOWED, whole_tile_requests_kernel)
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
@@ -122,7 +122,7 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
             whole[tile_n] = cu_k.new_empty(cu_k.shape[0])
             result.append((whole_tile_requests_kernel, (requests, 1, 1),
                            (slots, cu_k, whole[tile_n], (tile_n,))))
-        constants = [0] * 10
+        constants = [0] * CONSTANTS
         constants[TILE_M], constants[TILE_N] = tile_m, tile_n
         constants[TILE_D], constants[G_TILE] = head_dim_tile(head_dim), g_tile
         constants[PAGED] = key_slots is not None

@@ -43,6 +43,7 @@ SINKS = 7      # a learned sink logit per query head joins each row's softmax
 BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
                # other requests, by row gathers)
 PREFETCH = 9   # BLOCKS: tile j+1's first slot is loaded during tile j (schedule.py)
+CONSTANTS = 10  # the tuple's length
 
 
 def varlen_forward(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out,
