@@ -104,8 +104,9 @@ def test_hub_kernel_route_matches_eager(max_batch_tokens):
     name = hta.flash_kernel()
     # (gpt-oss names its own FlashAttention kernels, `_compatible_flash_implementations`, and
     # transformers loads the first of them instead of any other flash name)
-    for model in (["llama", "gemma2", "qwen2", "mistral"] if max_batch_tokens is None
-                  else ["llama", "qwen2"]):
+    # (DeepSeek V3: values with a head dim of their own, multi-head latent attention)
+    for model in (["llama", "gemma2", "qwen2", "mistral", "deepseek_v3"]
+                  if max_batch_tokens is None else ["llama", "qwen2"]):
         r = run(model, max_batch_tokens=max_batch_tokens, implementation=name)
         assert r["tiled"] == r["eager"], model
         assert r["calls"] >= 20 and r["calls"] % 2 == 0 and r["paged"] == 0, r
