@@ -11,12 +11,13 @@ part=${1:?say a, b1 or b2}
 case $part in
   a) args="tests/test_varlen_gpu.py tests/test_kernel_gpu.py tests/test_variants_gpu.py tests/test_fp8_gpu.py tests/test_fp8_cache_gpu.py tests/test_value_head_dim.py integration_tests" ;;
   b1|b2) args=$(cat exp/part_$part.ids) ;;
-  *) echo "part: expected a, b1 or b2, got $part"; exit 2 ;;
+  b) args=$(cat exp/part_b1.ids exp/part_b2.ids) ;;
+  *) echo "part: expected a, b, b1 or b2, got $part"; exit 2 ;;
 esac
 mkdir -p "$OUT/suite"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/suite/part_$part.txt"
 t0=$(date +%s)
-timeout 570 python -m pytest -q -n 16 -m gpu $args -p no:cacheprovider >> "$OUT/suite/part_$part.txt" 2>&1
+timeout ${SUITE_TIMEOUT:-570} python -m pytest -q -n 16 -m gpu $args -p no:cacheprovider >> "$OUT/suite/part_$part.txt" 2>&1
 echo "rc $? after $(( $(date +%s) - t0 )) s" >> "$OUT/suite/part_$part.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/suite/part_$part.txt" | head -20
 tail -3 "$OUT/suite/part_$part.txt"
