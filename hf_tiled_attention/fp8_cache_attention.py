@@ -202,8 +202,9 @@ def decode_plan(batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int
     heads_grid = heads_q // pack
     rows = FP8_CACHE_ROWS // g_tile
     m_tiles = math.ceil(seq_q / rows)
-    splits = kv_splits(_DECODE, m_tiles * heads_grid * batch, math.ceil(seq_kv / FP8_CACHE_KEYS),
-                       sm_count, FP8_CACHE_OCCUPANCY, launch_bound=False)
+    key_tiles = math.ceil(seq_kv / FP8_CACHE_KEYS)
+    splits = kv_splits(_DECODE, m_tiles * heads_grid * batch, key_tiles, sm_count,
+                       FP8_CACHE_OCCUPANCY, launch_bound=False)
     constants = [0] * K.CONSTANTS
     constants[K.ROWS], constants[K.G_TILE], constants[K.GROUP] = rows, g_tile, group // pack
     constants[K.TILE_N], constants[K.TILE_D] = FP8_CACHE_KEYS, head_dim_tile(head_dim)
@@ -212,7 +213,7 @@ def decode_plan(batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int
     constants[K.SPLIT] = splits > 1
     constants[K.K_LATENCY], constants[K.V_LATENCY] = FP8_CACHE_LATENCY
     constants[K.QK_PARTS], constants[K.PV_PARTS] = FP8_CACHE_QK_PARTS, FP8_CACHE_PV_PARTS
-    constants[K.PV_FAST_ACC] = fp8_cache_pv_fast_acc(head_dim)
+    constants[K.PV_FAST_ACC] = fp8_cache_pv_fast_acc(head_dim, math.ceil(key_tiles / splits))
     merge = None
     if splits > 1:
         merge = merge_constants(g_tile, min(rows, next_power_of_two(seq_q)), splits, head_dim,

@@ -526,12 +526,16 @@ FP8_CACHE_LATENCY = (2, 4)  # K's and V's load latency hints, as the bf16 kernel
 FP8_CACHE_QK_PARTS = 0      # QK^T: 0 in 16 bits (K converted); 1 or 2 e4m3 query parts
 FP8_CACHE_PV_PARTS = 2      # PV: 0 in 16 bits (V converted); 1 or 2 e4m3 probability parts
 FP8_CACHE_QUANT_TOKENS = 64
+# Fast accumulation truncates the running PV sum at every MMA, so its error grows with the key
+# tiles one block sums: against fp64, 3.8e-2 (the e4m3 cache's rounding) became 3.9e-2 at 256
+# unsplit tiles and 4.7e-2 at 1024 (perf-notes step 61). Past this many tiles a block
+# accumulates exactly; at 128 the growth, if linear in tiles, adds under 1% to the error.
+FP8_CACHE_FAST_ACC_TILES = 128
 
 
-def fp8_cache_pv_fast_acc(head_dim: int) -> bool:
+def fp8_cache_pv_fast_acc(head_dim: int, tiles_per_block: int) -> bool:
     """Whether the decode kernel's e4m3 PV MMAs use fast accumulation (no fp32 add of each
     MMA's result into the accumulator: 128 FADD fewer per 64-key step in the sm_90 cubin at
-    D=128). A CPU emulation of sm_90's truncated accumulation put PV's error at bf16's
-    (1.0-1.2e-3, perf-notes step 55); not yet timed. Not at D=256, where it spills more (sm_90
-    cubin: 1136 B of stack against 904)."""
-    return head_dim_tile(head_dim) <= 128
+    D=128): only where each block sums at most FP8_CACHE_FAST_ACC_TILES key tiles, and not at
+    D=256, where it spills more (sm_90 cubin: 1136 B of stack against 904)."""
+    return head_dim_tile(head_dim) <= 128 and tiles_per_block <= FP8_CACHE_FAST_ACC_TILES

@@ -172,6 +172,27 @@ def test_plan_splits_keys_to_fill_the_gpu_only():
     assert short.splits == 1, "too few key tiles to share"
 
 
+def test_fast_accumulation_only_over_short_key_ranges():
+    """The PV MMAs' fast accumulation loses bits at every tile, so a block summing more than
+    FP8_CACHE_FAST_ACC_TILES key tiles accumulates exactly (the constant the kernel reads)."""
+    from hf_tiled_attention import fp8_cache_kernel as K
+    from hf_tiled_attention.schedule import FP8_CACHE_FAST_ACC_TILES, FP8_CACHE_KEYS
+
+    def fast(batch, seq_kv, dim=128):
+        plan = fp8_cache_attention.decode_plan(batch, 32, 8, 1, seq_kv, dim, True, False, False,
+                                               False, 132)
+        tiles = -(-seq_kv // FP8_CACHE_KEYS)
+        assert (-(-tiles // plan.splits) <= FP8_CACHE_FAST_ACC_TILES) == plan.constants[
+            K.PV_FAST_ACC] or dim > 128
+        return plan.constants[K.PV_FAST_ACC]
+
+    longest = FP8_CACHE_FAST_ACC_TILES * FP8_CACHE_KEYS
+    assert fast(64, longest) and not fast(64, longest + 1), "a full GPU: the keys are not split"
+    assert fast(1, 16 * longest), "one row: its keys split over the GPU"
+    assert not fast(32, 65536), "the run whose error grew (perf-notes step 61)"
+    assert not fast(1, 100, dim=256), "D=256 spills with it"
+
+
 def test_registered_op_fake_gives_the_output_layout():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

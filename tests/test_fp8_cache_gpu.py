@@ -66,6 +66,10 @@ CASES = {
     # ends of a run of whole ones, and a split's share starting inside either
     "speculative-window": ((2, 16, 4, 5, 2600, 128), dict(is_causal=True, window=300), False,
                            True),
+    # one block sums every key: 8k (128 tiles) with the PV MMAs' fast accumulation, 64k
+    # without it (its truncation at every tile grew the error there: perf-notes step 61)
+    "fast-acc-8k-unsplit": ((2, 32, 8, 1, 8192, 128), dict(is_causal=True), False, False),
+    "exact-64k-unsplit": ((1, 8, 2, 1, 65536, 128), dict(is_causal=True), False, False),
 }
 
 
@@ -110,9 +114,9 @@ def test_decode_matches_the_definition(case, dtype):
     k, v = (dequantize_rows(r, torch.float32) for r in (k_rows, v_rows))
     want = definition(q.double(), k.double(), v.double(), mask, **options)[0]
     # the probabilities (times V's scales) enter PV's e4m3 MMA as two e4m3 parts, ~8
-    # significant bits as bf16's, whatever the query's dtype (fast accumulation below D=256:
-    # schedule.fp8_cache_pv_fast_acc); the outlier channel (_states) is what an e4m3 QK^T
-    # fails: 1.0-2.0e-2 on the H200
+    # significant bits as bf16's, whatever the query's dtype (fast accumulation below D=256
+    # over short key ranges: schedule.fp8_cache_pv_fast_acc); the outlier channel (_states) is
+    # what an e4m3 QK^T fails: 1.0-2.0e-2 on the H200
     assert rel_rms(out, want) < 1e-2
 
 
