@@ -47,10 +47,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          "for such a model")
     if isinstance(max_seqlen_q, torch.Tensor):
         max_seqlen_q = int(max_seqlen_q)
-    return varlen.varlen_attention(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
-                            int(max_seqlen_q), scale=softmax_scale,
-                            window=_window(window_size, causal), softcap=softcap or None,
-                            sinks=s_aux)
+    return varlen.varlen_attention(
+        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+        scale=softmax_scale, window=_window(window_size, causal), softcap=softcap or None,
+        sinks=s_aux)
 
 
 def _no_dropout(dropout_p: float) -> None:

@@ -29,9 +29,9 @@ from .layer_call import LayerCall, read_call, route_for
 from .memo import memoize
 from .reference import empty_output
 from .schedule import (DECODE_QUERY_ROWS, FP8_CACHE_KEYS, FP8_CACHE_LATENCY,
-                       FP8_CACHE_OCCUPANCY, FP8_CACHE_PV_PARTS,
-                       FP8_CACHE_QK_PARTS, FP8_CACHE_QUANT_TOKENS, FP8_CACHE_ROWS, Schedule,
-                       fp8_cache_pv_fast_acc, head_dim_tile)
+                       FP8_CACHE_OCCUPANCY, FP8_CACHE_PV_PARTS, FP8_CACHE_QK_PARTS,
+                       FP8_CACHE_QUANT_TOKENS, FP8_CACHE_ROWS, Schedule, fp8_cache_pv_fast_acc,
+                       head_dim_tile)
 
 __all__ = ["attend_cache_rows", "cache_kernels_run_on", "decode", "decode_plan", "decode_step"]
 
