@@ -129,6 +129,22 @@ _UNSERVED_FEATURES = (
 )
 
 
+def _check_cache_head_dims(cache, key: torch.Tensor, value: torch.Tensor) -> None:
+    """transformers 5.17-5.18's paged cache stores one head dim for keys and values; a model
+    whose keys or values have their own (multi-head latent attention) cannot be cached there,
+    whatever the attention (eager's requests fail too)."""
+    cache_dim = cache.key_cache[0].shape[-1]
+    if key.shape[-1] != cache_dim or value.shape[-1] != cache_dim:
+        import transformers
+        raise ValueError(
+            f"transformers {transformers.__version__}'s continuous-batching cache holds "
+            f"head_dim={cache_dim} per head for keys and values, but this model's keys have "
+            f"{key.shape[-1]} and its values {value.shape[-1]} (multi-head latent attention), "
+            f"so no attention implementation can be served here. Use model.generate() with "
+            f"attn_implementation='tiled', or a newer transformers with "
+            f"attn_implementation=hf_tiled_attention.flash_kernel().")
+
+
 def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
                           dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
@@ -144,6 +160,7 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                          "attn_implementation='tiled' (generate_batch switches it).")
     if not getattr(module, "_tiled_serving_checked", False):  # once per layer
         check_serving(module.config)
+        _check_cache_head_dims(cache, key, value)
         module._tiled_serving_checked = True
     if attention_mask is not None:
         raise ValueError("attn_implementation='tiled' serves continuous batching without a "

@@ -125,11 +125,13 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
 
-def refusal(name: str) -> dict:
-    """What ``generate_batch`` gives for a model whose attention the route does not serve (here
-    ``name``'s model told its attention is bidirectional): the requests' errors."""
+def refusal(name: str, bidirectional: bool = False) -> dict:
+    """What ``generate_batch`` gives for a model whose attention the route does not serve
+    (``name``'s model, told its attention is bidirectional where ``bidirectional``): the
+    requests' errors."""
     model = build(name, "tiled")
-    model.config.use_bidirectional_attention = True
+    if bidirectional:
+        model.config.use_bidirectional_attention = True
     config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
     results = model.generate_batch(prompts()[:2], generation_config=config)
     return {"model": name, "errors": [r.error for r in results.values()],
@@ -139,8 +141,9 @@ def refusal(name: str) -> dict:
 if __name__ == "__main__":
     budget = None
     names = sys.argv[1:]
-    if names and names[0] == "--refusal":
-        print(json.dumps(refusal(names[1])), flush=True)
+    if names and names[0] == "--refusal":  # --refusal MODEL [bidirectional]
+        print(json.dumps(refusal(names[1], bidirectional=names[2:] == ["bidirectional"])),
+              flush=True)
         sys.exit(0)
     through_manager = bool(names) and names[0] == "--manager"
     if through_manager:

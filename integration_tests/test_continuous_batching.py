@@ -143,15 +143,30 @@ def test_unserved_features_are_refused():
 def test_unserved_model_fails_before_its_first_token():
     """The requests of a model the route cannot serve fail at the first forward (transformers'
     warm-up, before any request runs) with the error naming the feature and the alternative."""
-    if serving.serves_custom_attention():
-        from continuous_batching_runs import refusal
-        result = refusal("llama")
-    else:
-        [result] = _in_old_transformers(["--refusal", "llama"])
+    result = _refusal("llama", bidirectional=True)
     assert result["tokens"] == [[], []]
     for error in result["errors"]:
         assert "bidirectional attention (config.use_bidirectional_attention)" in error
         assert "attn_implementation='sdpa'" in error
+
+
+def _refusal(name: str, bidirectional: bool = False) -> dict:
+    if serving.serves_custom_attention():
+        from continuous_batching_runs import refusal
+        return refusal(name, bidirectional)
+    [result] = _in_old_transformers(["--refusal", name] + ["bidirectional"] * bidirectional)
+    return result
+
+
+def test_latent_attention_gets_a_clear_error_on_the_paged_route():
+    """transformers 5.17's paged cache has one head dim for keys and values, so a model whose
+    keys and values differ (DeepSeek V3's latent attention) fails there on every attention
+    (eager included): with an error naming the head dims and the routes that serve it."""
+    result = _refusal("deepseek_v3")
+    assert result["tokens"] == [[], []]
+    for error in result["errors"]:
+        assert "keys have 32 and its values 16 (multi-head latent attention)" in error
+        assert "hf_tiled_attention.flash_kernel()" in error
 
 
 def test_paged_name_needs_the_cache():
