@@ -15,7 +15,10 @@ keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16), the keys
 
 ``read_tbps``: the K/V bytes a step must read over its time (back-to-back calls);
 ``vs_copy``: that over the copy rate (bytes read and written by a ``copy_`` of the same size,
-measured in the same process). Results: eval/results/<gpu>/serve/paged_decode.csv. Without a
+measured in the same process). Back to back, a short step times the host's launch work (about
+0.15 ms a call on the H100 host, step 57's floor below 1 GB); ``graph_ms``, ``graph_read_tbps``
+and ``graph_vs_copy`` time the same calls replayed from a CUDA graph, as transformers'
+continuous batching runs them (it captures graphs for "tiled" by default): the GPU's time. Results: eval/results/<gpu>/serve/paged_decode.csv. Without a
 GPU a few tiny points run through the CPU reference path (numbers say nothing).
 """
 
@@ -30,10 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
-from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
+from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
+                                       median_ms)
 
 COLUMNS = ["requests", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode", "kv_mb", "ms",
-           "read_tbps", "copy_tbps", "vs_copy", "max_err_vs_gathered"]
+           "read_tbps", "copy_tbps", "vs_copy", "graph_ms", "graph_read_tbps", "graph_vs_copy",
+           "max_err_vs_gathered"]
 MODES = ["paged", "gathered", "gather+kernel"]
 
 
@@ -103,8 +108,13 @@ def main(argv=None) -> int:
             reference = calls["gathered"]().clone()
             for mode, call in calls.items():
                 err = (call().float() - reference.float()).abs().max().item()
+                graph = dict(graph_ms="", graph_read_tbps="", graph_vs_copy="")
                 if cuda:
                     ms = back_to_back_ms(call, [()], reps=reps)
+                    graph_ms = graph_replay_ms(call, calls=min(reps, 20))
+                    graph_read = kv_bytes / graph_ms / 1e9
+                    graph = dict(graph_ms=f"{graph_ms:.4f}", graph_read_tbps=f"{graph_read:.3f}",
+                                 graph_vs_copy=f"{graph_read / copy_tbps:.3f}")
                 else:
                     ms = median_ms(call, [()], cuda=False, reps=reps)
                 read = kv_bytes / ms / 1e9
@@ -112,11 +122,14 @@ def main(argv=None) -> int:
                            heads_kv=args.heads[1], head_dim=args.head_dim, page=args.page,
                            mode=mode, kv_mb=f"{kv_bytes / 1e6:.1f}", ms=f"{ms:.4f}",
                            read_tbps=f"{read:.3f}", copy_tbps=f"{copy_tbps:.3f}",
-                           vs_copy=f"{read / copy_tbps:.3f}", max_err_vs_gathered=f"{err:.2e}")
+                           vs_copy=f"{read / copy_tbps:.3f}", **graph,
+                           max_err_vs_gathered=f"{err:.2e}")
                 writer.add(row)
+                in_graph = f", graph {graph['graph_ms']} ms ({graph['graph_vs_copy']}x)" \
+                    if cuda else ""
                 print(f"paged decode R={requests} keys={keys} {mode}: {ms:.4f} ms, "
                       f"{kv_bytes / 1e6:.0f} MB, {read:.2f} TB/s ({read / copy_tbps:.2f}x copy "
-                      f"{copy_tbps:.2f}), err {err:.1e}", flush=True)
+                      f"{copy_tbps:.2f}){in_graph}, err {err:.1e}", flush=True)
             del q, cache_k, cache_v, slots, k_flat, v_flat
     print(f"paged_decode_bench: {writer.finish()}")
     return 0

@@ -1,4 +1,5 @@
-"""Median wall time of a callable: CUDA events on the GPU, a host clock on the CPU.
+"""Median wall time of a callable: CUDA events on the GPU, a host clock on the CPU; and the GPU
+time of calls replayed from a CUDA graph (no host work between them, as a server replays them).
 
 Shared by the autotuner and the eval scripts so that every number is taken the same way.
 """
@@ -53,14 +54,47 @@ def back_to_back_ms(fn: Callable, arg_sets: Sequence[tuple] = ((),), *,
     for i in range(warmup):
         fn(*arg_sets[i % len(arg_sets)])
     torch.cuda.synchronize()
-    per_call = []
+
+    def queue_calls():
+        for i in range(reps):
+            fn(*arg_sets[i % len(arg_sets)])
+    return _median_round_ms(queue_calls, rounds) / reps
+
+
+def graph_replay_ms(fn: Callable, *, warmup: int = 3, calls: int = 20, rounds: int = 5) -> float:
+    """Milliseconds per call of ``fn()`` replayed from a CUDA graph (GPU only): ``warmup`` calls
+    on a side stream (compiles, caches), then ``calls`` calls captured into one graph, then the
+    median over ``rounds`` replays of the replay's time divided by ``calls``. The host does no
+    work between the calls, so a short call's time is the GPU's alone, launch gaps included:
+    what a server that captures its steps in graphs (transformers' continuous batching does)
+    gets, where :func:`back_to_back_ms` times the host instead once it is the slower side."""
+    if calls < 1 or rounds < 1 or warmup < 0:
+        raise ValueError("graph_replay_ms needs calls >= 1, rounds >= 1 and warmup >= 0")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture's rule: first calls off the default stream
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return _median_round_ms(graph.replay, rounds) / calls
+
+
+def _median_round_ms(run: Callable, rounds: int) -> float:
+    """Median over ``rounds`` of the milliseconds between CUDA events around ``run()``."""
+    times = []
     for _ in range(rounds):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(reps):
-            fn(*arg_sets[i % len(arg_sets)])
+        run()
         end.record()
         end.synchronize()
-        per_call.append(start.elapsed_time(end) / reps)
-    return statistics.median(per_call)
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -150,3 +150,10 @@ def test_back_to_back_timer_rejects_bad_counts(options):
     from hf_tiled_attention.timing import back_to_back_ms
     with pytest.raises(ValueError, match="back_to_back_ms needs"):
         back_to_back_ms(lambda: None, **options)
+
+
+@pytest.mark.parametrize("options", [dict(warmup=-1), dict(calls=0), dict(rounds=0)])
+def test_graph_replay_timer_rejects_bad_counts(options):
+    from hf_tiled_attention.timing import graph_replay_ms
+    with pytest.raises(ValueError, match="graph_replay_ms needs"):
+        graph_replay_ms(lambda: None, **options)
