@@ -15,7 +15,9 @@ keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16 queries). 
 ``kv_mb``: the bytes a step reads in that mode; ``read_tbps``: those over its time (back-to-back
 calls); ``vs_bf16_tiled``: bf16_tiled's time over this mode's; ``rel_err``: the output's
 relative RMS error against the fp64 definition on the bf16 K/V (FP8 rounding included;
-the first batch row).
+the first batch row). ``graph_ms`` and ``graph_vs_bf16_tiled``: the same calls replayed from a
+CUDA graph (no host work between them: the GPU's time, where a short step back to back times
+the host).
 Results: eval/results/<gpu>/decode/fp8_cache.csv. Without a GPU a tiny point runs through the
 CPU path (the dequantised rows; numbers say nothing).
 """
@@ -33,10 +35,11 @@ from eval.common import ResultsWriter, parse_heads, output_dir  # noqa: E402
 from hf_tiled_attention import tiled_attention  # noqa: E402
 from hf_tiled_attention.fp8_cache import (dequantize_rows, keys_from_rows,  # noqa: E402
                                           quantize_keys, quantize_rows)
-from hf_tiled_attention.timing import back_to_back_ms, median_ms  # noqa: E402
+from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
+                                       median_ms)
 
 COLUMNS = ["batch", "keys", "heads_q", "heads_kv", "head_dim", "mode", "kv_mb", "ms",
-           "read_tbps", "vs_bf16_tiled", "rel_err"]
+           "read_tbps", "vs_bf16_tiled", "graph_ms", "graph_vs_bf16_tiled", "rel_err"]
 MODES = ["fp8_cache", "bf16_tiled", "bf16_sdpa"]
 
 
@@ -103,18 +106,25 @@ def main(argv=None) -> int:
                 err = rel_err(call(), q, k, v)
                 if cuda:
                     ms = back_to_back_ms(call, [()], reps=reps)
+                    graph_ms = graph_replay_ms(call, calls=min(reps, 20))
                 else:
-                    ms = median_ms(call, [()], cuda=False, reps=reps)
-                measured[mode] = (ms, nbytes, err)
-            for mode, (ms, nbytes, err) in measured.items():
+                    ms, graph_ms = median_ms(call, [()], cuda=False, reps=reps), None
+                measured[mode] = (ms, graph_ms, nbytes, err)
+            bf16_ms, bf16_graph_ms = measured["bf16_tiled"][:2]
+            for mode, (ms, graph_ms, nbytes, err) in measured.items():
                 read = nbytes / ms / 1e9
+                graph = dict(graph_ms="", graph_vs_bf16_tiled="") if graph_ms is None else dict(
+                    graph_ms=f"{graph_ms:.4f}",
+                    graph_vs_bf16_tiled=f"{bf16_graph_ms / graph_ms:.3f}")
                 writer.add(dict(batch=batch, keys=keys, heads_q=heads_q, heads_kv=heads_kv,
                                 head_dim=dim, mode=mode, kv_mb=f"{nbytes / 1e6:.3f}",
                                 ms=f"{ms:.4f}", read_tbps=f"{read:.3f}",
-                                vs_bf16_tiled=f"{measured['bf16_tiled'][0] / ms:.3f}",
+                                vs_bf16_tiled=f"{bf16_ms / ms:.3f}", **graph,
                                 rel_err=f"{err:.2e}"))
+                in_graph = f", graph {graph['graph_ms']} ms" if cuda else ""
                 print(f"fp8 cache decode B={batch} keys={keys} {mode}: {ms:.4f} ms, "
-                      f"{nbytes / 1e6:.0f} MB, {read:.2f} TB/s, rel err {err:.1e}", flush=True)
+                      f"{nbytes / 1e6:.0f} MB, {read:.2f} TB/s{in_graph}, rel err {err:.1e}",
+                      flush=True)
             del q, k, v, k_rows, v_rows
     print(f"fp8_cache_decode_bench: {writer.finish()}")
     return 0

@@ -894,6 +894,7 @@ def test_fp8_cache_decode_bench_cpu(tmp_path):
     assert float(by_mode["fp8_cache"]["kv_mb"]) < float(by_mode["bf16_tiled"]["kv_mb"])
     assert float(by_mode["bf16_tiled"]["rel_err"]) < 1e-2  # (fp32-level reference path)
     assert 1e-3 < float(by_mode["fp8_cache"]["rel_err"]) < 0.1  # e4m3's rounding, no more
+    assert all(r["graph_ms"] == r["graph_vs_bf16_tiled"] == "" for r in rows)  # GPU only
 
 
 def test_fp8_numerics_cpu(tmp_path):
