@@ -16,9 +16,14 @@ work the host does before the GPU sees a launch (the two ``ct.launch`` calls the
 that autograd records, and its backward) is timed under ``torch.no_grad()``. The row "tiled,
 model's layers" is the call as a model's second and later layers make it (with the mask its
 mask function made: they repeat the first layer's launch); "transformers tiled" passes no mask,
-which takes the adapter's full path every time:
+which takes the adapter's full path every time. With one query (``--seq-q 1``) two rows time
+``varlen_attention`` as continuous batching calls it for a decode step (``--batch`` requests of
+``--seq`` keys each, on shuffled pages of 256 slots: "varlen paged", what "paged|tiled" runs;
+"varlen gathered", the keys in request order): transformers 5.17 captures no CUDA graph for
+"paged|tiled", so a short step's host work is the step's time:
 
     python eval/host_overhead.py --stub-launch --batch 8 --seq-q 1 --seq 8192
+    python eval/host_overhead.py --batch 64 --seq-q 1 --seq 1024
 
 Results of earlier runs: eval/results/nvidia-h200/decode/host-overhead-*.txt,
 eval/results/nvidia-h200/train/host-overhead-*.txt and, older,
@@ -62,6 +67,7 @@ def stubbed_launch():
                                     "sm_count": lambda device: 132,
                                     "_arch_major": lambda device: 9}),
                               (ct, {"launch": lambda *args, **options: None}),
+                              (torch.cuda, {"current_stream": lambda device=None: _NoStream}),
                               (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),
                               (torch._C, {"_cuda_getDevice": lambda: None})):
             for name, stub in value.items():
@@ -71,6 +77,10 @@ def stubbed_launch():
             yield
         finally:
             hta.clear_caches()
+
+
+class _NoStream:  # the stubbed current stream's handle (varlen's launches read it)
+    cuda_stream = 0
 
 
 def per_call_ms(fn, calls: int = CALLS, cuda: bool = True) -> tuple[float, float]:
@@ -152,6 +162,16 @@ def main(argv=None) -> int:
         "tiled, model's layers": lambda: tiled_attention_forward(layer, q, k, v, layer_mask,
                                                                  scaling=scale),
     }
+    if seq_q == 1:  # a continuous-batching decode step over the same keys per request
+        from eval.paged_decode_bench import decode_step
+        vq, cache_k, cache_v, slots, cu_q, cu_k = decode_step(args.batch, args.seq, hq, hkv, d,
+                                                              256, device, torch.bfloat16)
+        k_flat, v_flat = cache_k[slots], cache_v[slots]
+        v_out = torch.empty_like(vq)
+        tiled_paths["varlen paged"] = lambda: hta.varlen_attention(
+            vq, cache_k, cache_v, cu_q, cu_k, 1, key_slots=slots, out=v_out)
+        tiled_paths["varlen gathered"] = lambda: hta.varlen_attention(
+            vq, k_flat, v_flat, cu_q, cu_k, 1, out=v_out)
     if args.stub_launch:
         with stubbed_launch():
             # (0: the stubbed current stream, whose next calls reuse the split workspace)

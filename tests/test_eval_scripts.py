@@ -485,7 +485,7 @@ def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
 
     from eval import host_overhead
     from hf_tiled_attention import op
-    launch = ct.launch
+    launch, current_stream = ct.launch, torch.cuda.current_stream
     assert host_overhead.main(["--stub-launch", "--batch", "2", "--seq-q", "1",
                                "--seq", "4096"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -494,10 +494,11 @@ def test_host_overhead_stubbed_launch_times_the_host_path(capsys):
     timed = {line[:22].strip(): float(line.split("host/call")[1].split()[0]) for line in lines[1:]}
     assert set(timed) == {"tiled_attention", "training fwd + bwd", "torch.ops custom op",
                           "run_kernel only", "transformers tiled", "tiled, model's layers",
-                          "launch_arrays only"}
+                          "varlen paged", "varlen gathered", "launch_arrays only"}
     assert all(us > 0 for us in timed.values())
     # The stubs are gone afterwards, and no plan made under them is left for real calls.
     assert ct.launch is launch and not op.kernel_available(torch.device("cpu"))
+    assert torch.cuda.current_stream is current_stream
     assert hta.cache_sizes()["launch plans"] == 0
 
 
