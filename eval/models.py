@@ -38,9 +38,11 @@ def build_config(name: str, layers: int):
 
 # "tiled" run into the FP8 KV cache (hf_tiled_attention.Fp8DynamicCache / Fp8StaticCache).
 FP8_CACHE_BACKEND = "tiled_fp8_cache"
+# "tiled" served by continuous batching with CUDA graphs asked for (serve_throughput.py).
+GRAPHS_BACKEND = "tiled+graphs"
 # Eval backends that are an attention implementation with something else of their own (the
-# cache they generate into): the implementation their model loads with.
-IMPLEMENTATIONS = {FP8_CACHE_BACKEND: "tiled"}
+# cache they generate into, how they are served): the implementation their model loads with.
+IMPLEMENTATIONS = {FP8_CACHE_BACKEND: "tiled", GRAPHS_BACKEND: "tiled"}
 
 
 def build_models(backends: list[str], config, dtype, device) -> dict:

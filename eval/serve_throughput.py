@@ -9,8 +9,11 @@ Each point serves ``--concurrency`` requests at once through a ``ContinuousBatch
 ``--prompt`` MIN MAX tokens and ``--new-tokens`` MIN MAX new tokens per request (uniform,
 seeded; greedy, no early stop), all added at the start. Every backend serves the same requests
 with a cache of the same size (room for all of them) and the same token budget per step, with
-transformers' own choices otherwise (it captures CUDA graphs for `tiled`, whose attention
-needs no mask, not for `sdpa` and `eager`, which get a dense mask over the batch):
+transformers' own choices otherwise: 5.17 and 5.18 capture CUDA graphs only for attention
+names containing "flash", so none for `tiled` ("paged|tiled"), `sdpa` or `eager` (these two get
+a dense mask over the batch). ``tiled+graphs`` (GPU default) is `tiled` served with
+``ContinuousBatchingConfig(use_cuda_graph=True)``, the setting a server may pass, whose steps
+transformers replays from graphs (no host work per layer):
 
 * ``tokens_per_s``: new tokens of all requests over the wall time from the first request added
   to the last one finished;
@@ -45,9 +48,11 @@ sys.path.insert(0, str(REPO))
 import hf_tiled_attention  # noqa: E402,F401  (registers "tiled" and "paged|tiled")
 from hf_tiled_attention import serving  # noqa: E402
 from eval.common import ResultsWriter, output_dir, save_figure  # noqa: E402
-from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
+from eval.models import (GRAPHS_BACKEND, IMPLEMENTATIONS, SHAPES, build_config,  # noqa: E402
+                         build_models, model_device)
 
 BACKENDS = ["tiled", "sdpa", "eager"]
+GPU_BACKENDS = ["tiled", GRAPHS_BACKEND, "sdpa", "eager"]  # no graphs on a CPU: not run there
 COLUMNS = ["model", "layers", "backend", "attention", "cuda_graphs", "concurrency", "prompt",
            "new_tokens", "tokens_per_s", "ttft_ms", "ttft_p90_ms", "peak_gib", "vs_sdpa",
            "same_as_sdpa", "status", "reason"]
@@ -62,12 +67,14 @@ def workload(count: int, prompt: tuple[int, int], new: tuple[int, int], vocab: i
             for _ in range(count)]
 
 
-def batching_config(requests, block_size: int, max_batch_tokens: int):
-    """Room in the cache for every request at once, the same for every backend."""
+def batching_config(requests, block_size: int, max_batch_tokens: int, graphs: bool = False):
+    """Room in the cache for every request at once, the same for every backend; ``graphs``:
+    CUDA graphs asked for (else transformers decides)."""
     from transformers.generation import ContinuousBatchingConfig
     blocks = sum(-(-(len(p) + n) // block_size) + 1 for p, n in requests) + 8
     return ContinuousBatchingConfig(block_size=block_size, num_blocks=blocks,
-                                    max_batch_tokens=max_batch_tokens)
+                                    max_batch_tokens=max_batch_tokens,
+                                    use_cuda_graph=True if graphs else None)
 
 
 @torch.inference_mode()
@@ -128,13 +135,14 @@ def same_share(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return same / max(1, sum(len(t) for t in reference))
 
 
-def measure(models: dict, requests, config, reps: int) -> dict:
-    """Per backend its runs (the backends take turns), or the first line of its error."""
+def measure(models: dict, requests, configs: dict, reps: int) -> dict:
+    """Per backend its runs (the backends take turns, each with its batching config), or the
+    first line of its error."""
     runs = {name: [] for name in models}
     failed = {}
     for name, model in models.items():  # warm-up: kernels compile, graphs of small batches
         try:
-            serve(model, requests[:4], config)
+            serve(model, requests[:4], configs[name])
         except Exception as exc:  # noqa: BLE001 (out of memory, or a refusal: recorded)
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     for _ in range(reps):
@@ -142,7 +150,7 @@ def measure(models: dict, requests, config, reps: int) -> dict:
             if name in failed:
                 continue
             try:
-                runs[name].append(serve(model, requests, config))
+                runs[name].append(serve(model, requests, configs[name]))
             except Exception as exc:  # noqa: BLE001
                 failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return runs, failed
@@ -200,7 +208,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     parser.add_argument("--new-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
-    parser.add_argument("--backends", nargs="+", default=BACKENDS)
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help=f"default {' '.join(GPU_BACKENDS)} on a GPU, else "
+                             f"{' '.join(BACKENDS)}")
     parser.add_argument("--eager-up-to", type=int, default=64,
                         help="eager serves only up to this many concurrent requests (its "
                              "attention weights over the whole batch)")
@@ -225,20 +235,22 @@ def main(argv=None) -> int:
         concurrency = args.concurrency or [4]
         prompt, new = tuple(args.prompt or (8, 40)), tuple(args.new_tokens or (3, 8))
         budget = args.max_batch_tokens or 256
+    backends = args.backends or (GPU_BACKENDS if on_gpu else BACKENDS)
     out_dir = output_dir(args.out, "serve")
     writer = ResultsWriter(out_dir, "serve", COLUMNS, [sys.argv[0], *argv])
     sources = [(shape, build_config(shape, layers)) for shape in shapes]
     if args.gguf is not None:
         sources.append((args.gguf.name, args.gguf))
     for label, source in sources:
-        models = _models(args.backends, source, dtype, device)
+        models = _models(backends, source, dtype, device)
         vocab = next(iter(models.values())).config.vocab_size
         model_layers = next(iter(models.values())).config.num_hidden_layers
         for count in concurrency:
             requests = workload(count, prompt, new, vocab, args.seed)
-            config = batching_config(requests, args.block_size, budget)
+            configs = {n: batching_config(requests, args.block_size, budget,
+                                          graphs=n == GRAPHS_BACKEND) for n in models}
             chosen = {n: m for n, m in models.items() if n != "eager" or count <= args.eager_up_to}
-            runs, failed = measure(chosen, requests, config, args.reps)
+            runs, failed = measure(chosen, requests, configs, args.reps)
             base = runs.get("sdpa") or []
             for name in models:
                 row = dict(model=label, layers=model_layers, backend=name, concurrency=count,
@@ -281,8 +293,8 @@ def _models(backends, source, dtype, device) -> dict:
         return build_models(backends, source, dtype, device)
     from transformers import AutoModelForCausalLM
     return {name: AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=dtype, attn_implementation=name
-    ).to(device).eval() for name in backends}
+        source.parent, gguf_file=source.name, dtype=dtype,
+        attn_implementation=IMPLEMENTATIONS.get(name, name)).to(device).eval() for name in backends}
 
 
 if __name__ == "__main__":

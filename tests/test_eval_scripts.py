@@ -853,14 +853,17 @@ def test_serve_throughput_cpu(tmp_path):
     """Continuous batching end to end (on the transformers 5.17 beside the installed one when
     that has no route), every backend ok, and tiled's greedy tokens equal sdpa's in fp32."""
     from eval import serve_throughput
-    assert serve_throughput.main(["--concurrency", "3", "--out", str(tmp_path)]) == 0
+    assert serve_throughput.main(["--concurrency", "3", "--out", str(tmp_path), "--backends",
+                                  *serve_throughput.GPU_BACKENDS]) == 0
     rows = read_csv(tmp_path / "serve.csv")
     assert list(rows[0]) == serve_throughput.COLUMNS
     by_backend = {r["backend"]: r for r in rows}
-    assert set(by_backend) == {"tiled", "sdpa", "eager"}
+    assert set(by_backend) == {"tiled", "tiled+graphs", "sdpa", "eager"}
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
-    assert by_backend["tiled"]["attention"] == "paged|tiled"
-    assert float(by_backend["tiled"]["same_as_sdpa"]) == 1.0
+    for tiled in ("tiled", "tiled+graphs"):  # (transformers turns graphs off without a GPU)
+        assert by_backend[tiled]["attention"] == "paged|tiled"
+        assert by_backend[tiled]["cuda_graphs"] == "no/no"
+        assert float(by_backend[tiled]["same_as_sdpa"]) == 1.0
     assert (tmp_path / "serve.png").exists()
 
 
