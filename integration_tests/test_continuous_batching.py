@@ -181,8 +181,8 @@ def test_paged_name_needs_the_cache():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gpt_oss"])
 def test_generate_batch_on_the_kernel(name):
-    """On the GPU (fp32: the kernel's three-TF32 products), where transformers captures the
-    batches in CUDA graphs: eager's tokens, every layer on the kernel."""
+    """On the GPU (fp32: the kernel's three-TF32 products; transformers 5.17-5.18 capture no
+    CUDA graph for "paged|tiled" unless asked): eager's tokens, every layer on the kernel."""
     if not serving.serves_custom_attention():
         pytest.skip("this transformers has no continuous-batching route (the CPU test runs "
                     "transformers 5.17 in a subprocess)")
