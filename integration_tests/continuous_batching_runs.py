@@ -32,20 +32,24 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def _configs(max_batch_tokens=None) -> tuple[GenerationConfig, ContinuousBatchingConfig]:
+def _configs(max_batch_tokens=None, cuda_graphs: bool = False
+             ) -> tuple[GenerationConfig, ContinuousBatchingConfig]:
     """Greedy generation (no EOS, a fixed count) and the batching: pages of 16 tokens, so a
     request's keys lie on several pages; a small token budget splits prompts into chunks
-    (prefill after a cached part)."""
+    (prefill after a cached part); ``cuda_graphs``: steps captured and replayed (asked for:
+    transformers 5.17-5.18 capture none for "paged|tiled" by default)."""
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
     page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
     return config, ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
-                                            max_batch_tokens=max_batch_tokens or 256)
+                                            max_batch_tokens=max_batch_tokens or 256,
+                                            use_cuda_graph=True if cuda_graphs else None)
 
 
-def greedy_batch(model, requests, max_batch_tokens=None, device="cpu") -> list[list[int]]:
+def greedy_batch(model, requests, max_batch_tokens=None, device="cpu",
+                 cuda_graphs: bool = False) -> list[list[int]]:
     """Greedy tokens of ``generate_batch``, in request order (:func:`_configs`)."""
-    config, batching = _configs(max_batch_tokens)
+    config, batching = _configs(max_batch_tokens, cuda_graphs)
     results = model.to(device).generate_batch(requests, generation_config=config,
                                                continuous_batching_config=batching)
     ordered = sorted(results.values(), key=lambda r: int(r.request_id.split("_")[-1]))
@@ -99,29 +103,37 @@ def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
 
 
 def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
-        implementation: str = "tiled", manager: bool = False) -> dict:
+        implementation: str = "tiled", manager: bool = False, cuda_graphs: bool = False) -> dict:
     """Greedy tokens of eager and of ``implementation`` ("tiled", or the tiled kernels' Hub-
     kernel name) under continuous batching for ``name``'s tiny model, the kernel's call count,
     and how many of those calls read the paged cache in place. ``manager``: ``implementation``
-    through the manager API, requests arriving while it runs (:func:`greedy_manager`)."""
+    through the manager API, requests arriving while it runs (:func:`greedy_manager`).
+    ``cuda_graphs``: ``implementation``'s steps in CUDA graphs (the kernel's Python runs only
+    while a graph is captured; ``replays`` counts the steps replayed)."""
     requests = prompts()
     eager_model = build(name, "eager").to(dtype)
     if getattr(eager_model.config, "attn_logit_softcapping", None):
         eager = greedy_one_by_one(eager_model, requests, device)
     else:
         eager = greedy_batch(eager_model, requests, max_batch_tokens, device)
-    calls = {"calls": 0, "paged": 0}
+    calls = {"calls": 0, "paged": 0, "replays": 0}
     real = varlen.varlen_attention
+    real_replay = torch.cuda.CUDAGraph.replay
 
     def counted(*args, **kwargs):
         calls["calls"] += 1
         calls["paged"] += kwargs.get("key_slots") is not None
         return real(*args, **kwargs)
 
-    with mock.patch.object(varlen, "varlen_attention", counted):
+    def counted_replay(graph):
+        calls["replays"] += 1
+        return real_replay(graph)
+
+    with mock.patch.object(varlen, "varlen_attention", counted), \
+            mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay):
         model = build(name, implementation).to(dtype)
         tiled = greedy_manager(model, requests, device) if manager else \
-            greedy_batch(model, requests, max_batch_tokens, device)
+            greedy_batch(model, requests, max_batch_tokens, device, cuda_graphs)
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
 

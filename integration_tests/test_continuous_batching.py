@@ -179,6 +179,23 @@ def test_paged_name_needs_the_cache():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_generate_batch_in_cuda_graphs_on_the_kernel(name):
+    """A server that asks transformers 5.17-5.18 for CUDA graphs (``use_cuda_graph=True``) gets
+    its steps captured with our launches and replayed: eager's tokens (fp32; Gemma 2 with its
+    sliding layers, whose window the cache gathers), the kernel captured in the graphs and
+    steps replayed."""
+    if not serving.serves_custom_attention():
+        pytest.skip("this transformers has no continuous-batching route (the CPU test runs "
+                    "transformers 5.17 in a subprocess)")
+    from continuous_batching_runs import run
+    r = run(name, device="cuda", cuda_graphs=True)
+    assert r["tiled"] == r["eager"], name
+    assert r["paged"] > 0 and r["replays"] > 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gpt_oss"])
 def test_generate_batch_on_the_kernel(name):
     """On the GPU (fp32: the kernel's three-TF32 products; transformers 5.17-5.18 capture no
