@@ -225,7 +225,8 @@ def test_transformers_serve_runs_on_the_kernels(tmp_path):
     op (counted in the model's process: serve_runs.py)."""
     if serving.serves_custom_attention():
         pytest.skip("transformers 5.17-5.18: `transformers serve` cannot load 'tiled' (the "
-                    "server does not import this package) and has no Hub-kernel route")
+                    "server's model manager takes only its own names or Hub kernels, and its "
+                    "Hub kernels need kernels 0.16)")
     from transformers.utils.import_utils import is_serve_available
     if not is_serve_available():
         pytest.fail("transformers serve needs its extras: pip install 'transformers[serving]' "
