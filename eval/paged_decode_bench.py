@@ -15,11 +15,14 @@ keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16), the keys
 
 ``read_tbps``: the K/V bytes a step must read over its time (back-to-back calls);
 ``vs_copy``: that over the copy rate (bytes read and written by a ``copy_`` of the same size,
-measured in the same process). Back to back, a short step times the host's launch work (about
-0.15 ms a call on the H100 host, step 57's floor below 1 GB); ``graph_ms``, ``graph_read_tbps``
-and ``graph_vs_copy`` time the same calls replayed from a CUDA graph, as transformers'
-continuous batching runs them (it captures graphs for "tiled" by default): the GPU's time. Results: eval/results/<gpu>/serve/paged_decode.csv. Without a
-GPU a few tiny points run through the CPU reference path (numbers say nothing).
+measured in the same process). Back to back, a short step can time the host's work instead
+(step 57's floor of about 0.15 ms a call below 1 GB, on an H100); ``graph_ms``,
+``graph_read_tbps`` and ``graph_vs_copy`` time the same calls replayed from a CUDA graph, as a
+server that captures its steps runs them (transformers 5.25's Hub-kernel route by default,
+5.17-5.18 with ``use_cuda_graph=True``): the GPU's time. Not for ``gather+kernel``, whose
+copies a graph would hold on to beside the cache (256 x 16k keys: 17 GB more). Results:
+eval/results/<gpu>/serve/paged_decode.csv. Without a GPU a few tiny points run through the CPU
+reference path (numbers say nothing).
 """
 
 from __future__ import annotations
@@ -111,11 +114,12 @@ def main(argv=None) -> int:
                 graph = dict(graph_ms="", graph_read_tbps="", graph_vs_copy="")
                 if cuda:
                     ms = back_to_back_ms(call, [()], reps=reps)
+                if cuda and mode != "gather+kernel":
                     graph_ms = graph_replay_ms(call, calls=min(reps, 20))
                     graph_read = kv_bytes / graph_ms / 1e9
                     graph = dict(graph_ms=f"{graph_ms:.4f}", graph_read_tbps=f"{graph_read:.3f}",
                                  graph_vs_copy=f"{graph_read / copy_tbps:.3f}")
-                else:
+                if not cuda:
                     ms = median_ms(call, [()], cuda=False, reps=reps)
                 read = kv_bytes / ms / 1e9
                 row = dict(requests=requests, keys=keys, heads_q=args.heads[0],
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
                            max_err_vs_gathered=f"{err:.2e}")
                 writer.add(row)
                 in_graph = f", graph {graph['graph_ms']} ms ({graph['graph_vs_copy']}x)" \
-                    if cuda else ""
+                    if graph["graph_ms"] else ""
                 print(f"paged decode R={requests} keys={keys} {mode}: {ms:.4f} ms, "
                       f"{kv_bytes / 1e6:.0f} MB, {read:.2f} TB/s ({read / copy_tbps:.2f}x copy "
                       f"{copy_tbps:.2f}){in_graph}, err {err:.1e}", flush=True)
