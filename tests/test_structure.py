@@ -114,3 +114,24 @@ def test_edge_tiles_are_the_walk_outside_its_gap_and_full_run():
         got = [edge_tile(t, first, gap_lo, gap_hi, full_lo, full_hi)
                for t in range(edge_count(*bounds))]
         assert got == want, bounds
+
+
+def test_gpu_suite_parts_cover_every_gpu_test():
+    """.ci/gpu_suite.sh's parts (the GPU suite in calls of the lent GPU) name every file that
+    holds GPU tests (as pytest collects them), a file itself or its folder; the script parses."""
+    import re
+    import subprocess
+    root = PACKAGE.parent
+    script = root / ".ci" / "gpu_suite.sh"
+    parts = script.read_text().split("case $part in")[1].split("esac")[0]
+    named = set(re.findall(r"\b(?:tests|integration_tests)(?:/\w+\.py)?\b", parts))
+    import sys
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+         "no:cacheprovider", "tests", "integration_tests"],
+        cwd=root, capture_output=True, text=True, timeout=600).stdout
+    gpu_files = {line.split("::")[0] for line in collected.splitlines() if "::" in line}
+    assert gpu_files, "no GPU test files found"
+    missing = sorted(f for f in gpu_files if f not in named and f.split("/")[0] not in named)
+    assert not missing, f"GPU test files in no part of {script.name}: {missing}"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
