@@ -9,6 +9,7 @@ integration_tests/continuous_batching_runs.py <models>`` under a transformers 5.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from unittest import mock
@@ -102,14 +103,31 @@ def greedy_one_by_one(model, requests, device="cpu") -> list[list[int]]:
     return tokens
 
 
+def graph_padding():
+    """transformers' inputs as it pads them for CUDA graphs (static sizes: token and key counts
+    padded to intervals, the padding requests' ``cu_seq_lens`` flat, their cache slots the
+    cache's trash slots, ``max_seqlen_q`` the padded token count), with the graphs themselves
+    off: the same arguments reach the attention on any device. (ModelRunner.pad_inputs, which
+    transformers sets where graphs or compilation are on.)"""
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    real_init = ModelRunner.__init__
+
+    def padded(runner, *args, **kwargs):
+        real_init(runner, *args, **kwargs)
+        runner.pad_inputs = True
+    return mock.patch.object(ModelRunner, "__init__", padded)
+
+
 def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
-        implementation: str = "tiled", manager: bool = False, cuda_graphs: bool = False) -> dict:
+        implementation: str = "tiled", manager: bool = False, cuda_graphs: bool = False,
+        padded: bool = False) -> dict:
     """Greedy tokens of eager and of ``implementation`` ("tiled", or the tiled kernels' Hub-
     kernel name) under continuous batching for ``name``'s tiny model, the kernel's call count,
     and how many of those calls read the paged cache in place. ``manager``: ``implementation``
     through the manager API, requests arriving while it runs (:func:`greedy_manager`).
     ``cuda_graphs``: ``implementation``'s steps in CUDA graphs (the kernel's Python runs only
-    while a graph is captured; ``replays`` counts the steps replayed)."""
+    while a graph is captured; ``replays`` counts the steps replayed); ``padded``: its inputs
+    padded as for graphs, run without them (:func:`graph_padding`)."""
     requests = prompts()
     eager_model = build(name, "eager").to(dtype)
     if getattr(eager_model.config, "attn_logit_softcapping", None):
@@ -130,7 +148,8 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
         return real_replay(graph)
 
     with mock.patch.object(varlen, "varlen_attention", counted), \
-            mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay):
+            mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay), \
+            graph_padding() if padded else contextlib.nullcontext():
         model = build(name, implementation).to(dtype)
         tiled = greedy_manager(model, requests, device) if manager else \
             greedy_batch(model, requests, max_batch_tokens, device, cuda_graphs)
@@ -160,8 +179,11 @@ if __name__ == "__main__":
     through_manager = bool(names) and names[0] == "--manager"
     if through_manager:
         names.pop(0)
+    pad = bool(names) and names[0] == "--padded"
+    if pad:
+        names.pop(0)
     if names and names[0].startswith("--max-batch-tokens="):
         budget = int(names.pop(0).split("=", 1)[1])
     for model_name in names:
-        print(json.dumps(run(model_name, max_batch_tokens=budget, manager=through_manager)),
-              flush=True)
+        print(json.dumps(run(model_name, max_batch_tokens=budget, manager=through_manager,
+                             padded=pad)), flush=True)

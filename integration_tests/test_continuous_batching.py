@@ -72,6 +72,28 @@ def test_generate_batch_matches_eager(max_batch_tokens):
         assert (r["paged"] == 0) == sliding_only, r
 
 
+def test_inputs_padded_as_for_cuda_graphs_match_eager():
+    """transformers' inputs as it pads them when it captures CUDA graphs (static sizes, the
+    padding requests' slots the cache's trash slots, ``max_seqlen_q`` the padded count), run
+    without the graphs: each version's route gives eager's tokens (the same arguments the GPU
+    test with graphs replays; Llama, and Gemma 2's sliding layers)."""
+    names = ["llama", "gemma2"]
+    if serving.serves_custom_attention():
+        from continuous_batching_runs import run
+        runs = [run(name, padded=True) for name in names]
+    else:
+        runs = _in_old_transformers(["--padded"] + names)
+    for r in runs:  # "paged|tiled": full-attention layers read the paged cache in place
+        assert r["tiled"] == r["eager"], r["model"]
+        assert r["calls"] >= 20 and r["paged"] > 0, r
+    if not serving.serves_custom_attention():  # the Hub-kernel route (a gathered cache)
+        pytest.importorskip("kernels")
+        from continuous_batching_runs import run
+        for name in names:
+            r = run(name, implementation=hta.flash_kernel(), padded=True)
+            assert r["tiled"] == r["eager"] and r["calls"] >= 20, r
+
+
 def test_manager_api_matches_eager():
     """The manager API (``init_continuous_batching``, ``add_request`` while it runs,
     ``get_result``) on each version's route: "paged|tiled" on transformers 5.17 (here or in a
