@@ -112,15 +112,16 @@ def main(argv=None) -> int:
             for mode, call in calls.items():
                 err = (call().float() - reference.float()).abs().max().item()
                 graph = dict(graph_ms="", graph_read_tbps="", graph_vs_copy="")
-                if cuda:
-                    ms = back_to_back_ms(call, [()], reps=reps)
-                if cuda and mode != "gather+kernel":
-                    graph_ms = graph_replay_ms(call, calls=min(reps, 20))
-                    graph_read = kv_bytes / graph_ms / 1e9
-                    graph = dict(graph_ms=f"{graph_ms:.4f}", graph_read_tbps=f"{graph_read:.3f}",
-                                 graph_vs_copy=f"{graph_read / copy_tbps:.3f}")
                 if not cuda:
                     ms = median_ms(call, [()], cuda=False, reps=reps)
+                else:
+                    ms = back_to_back_ms(call, [()], reps=reps)
+                    if mode != "gather+kernel":
+                        graph_ms = graph_replay_ms(call, calls=min(reps, 20))
+                        graph_read = kv_bytes / graph_ms / 1e9
+                        graph = dict(graph_ms=f"{graph_ms:.4f}",
+                                     graph_read_tbps=f"{graph_read:.3f}",
+                                     graph_vs_copy=f"{graph_read / copy_tbps:.3f}")
                 read = kv_bytes / ms / 1e9
                 row = dict(requests=requests, keys=keys, heads_q=args.heads[0],
                            heads_kv=args.heads[1], head_dim=args.head_dim, page=args.page,

@@ -4,6 +4,9 @@ no function with more than 20 parameters, no cache outside memo.py's."""
 
 import ast
 import itertools
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,13 +122,10 @@ def test_edge_tiles_are_the_walk_outside_its_gap_and_full_run():
 def test_gpu_suite_parts_cover_every_gpu_test():
     """.ci/gpu_suite.sh's parts (the GPU suite in calls of the lent GPU) name every file that
     holds GPU tests (as pytest collects them), a file itself or its folder; the script parses."""
-    import re
-    import subprocess
     root = PACKAGE.parent
     script = root / ".ci" / "gpu_suite.sh"
     parts = script.read_text().split("case $part in")[1].split("esac")[0]
     named = set(re.findall(r"\b(?:tests|integration_tests)(?:/\w+\.py)?\b", parts))
-    import sys
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
          "no:cacheprovider", "tests", "integration_tests"],
