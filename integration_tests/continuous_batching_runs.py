@@ -57,11 +57,11 @@ def greedy_batch(model, requests, max_batch_tokens=None, device="cpu",
     return [list(r.generated_tokens) for r in ordered]
 
 
-def greedy_manager(model, requests, device="cpu") -> list[list[int]]:
+def greedy_manager(model, requests, device="cpu", cuda_graphs: bool = False) -> list[list[int]]:
     """Greedy tokens through the manager API (``init_continuous_batching``, ``add_request``,
     ``get_result``), in request order: half the requests added before it starts, the rest
     while it runs, once the first result is out (as a server adds them)."""
-    config, batching = _configs()
+    config, batching = _configs(cuda_graphs=cuda_graphs)
     manager = model.to(device).init_continuous_batching(generation_config=config,
                                                         continuous_batching_config=batching)
     first = len(requests) // 2
@@ -151,7 +151,7 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
             mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay), \
             graph_padding() if padded else contextlib.nullcontext():
         model = build(name, implementation).to(dtype)
-        tiled = greedy_manager(model, requests, device) if manager else \
+        tiled = greedy_manager(model, requests, device, cuda_graphs) if manager else \
             greedy_batch(model, requests, max_batch_tokens, device, cuda_graphs)
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
