@@ -879,10 +879,19 @@ def test_serve_workload_and_agreement():
 def test_paged_decode_bench_cpu(tmp_path):
     from eval import paged_decode_bench
     assert paged_decode_bench.main(["--requests", "2", "--keys", "40", "--page", "16",
-                                    "--out", str(tmp_path)]) == 0
+                                    "--queries", "1", "3", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "paged_decode.csv")
-    assert [r["mode"] for r in rows] == paged_decode_bench.MODES
+    assert [(r["queries"], r["mode"]) for r in rows] == [
+        (queries, mode) for queries in "13" for mode in paged_decode_bench.MODES]
     assert all(float(r["max_err_vs_gathered"]) == 0 for r in rows)
+    # a prefill chunk: each request's queries are its last keys
+    q, cache_k, _, slots, cu_q, cu_k = paged_decode_bench.decode_step(
+        2, 40, 4, 2, 8, 16, "cpu", torch.float32, queries=3)
+    assert q.shape == (6, 4, 8) and slots.shape == (80,) and cache_k.shape[0] >= 80
+    assert cu_q.tolist() == [0, 3, 6] and cu_k.tolist() == [0, 40, 80]
+    with pytest.raises(SystemExit):
+        paged_decode_bench.main(["--requests", "2", "--keys", "4", "--queries", "5",
+                                 "--out", str(tmp_path)])
     # graph replay times the GPU alone: no column to fill on the CPU
     assert all(r["graph_ms"] == r["graph_vs_copy"] == "" for r in rows)
 
