@@ -5,8 +5,9 @@
     python eval/paged_decode_bench.py --queries 256 --requests 8 32 --keys 4096   # prefill chunks
 
 Each point is one decode step of ``--requests`` requests (one query each, or ``--queries``: a
-chunk of a prompt each, its last keys, causal) over ``--keys`` keys each, Llama-3-8B's attention (32 query / 8 kv heads, D=128, bf16), the keys on pages of
-``--page`` slots shuffled over the cache as transformers' allocator leaves them. Modes:
+chunk of a prompt each, its last keys, causal) over ``--keys`` keys each, Llama-3-8B's
+attention (32 query / 8 kv heads, D=128, bf16), the keys on pages of ``--page`` slots shuffled
+over the cache as transformers' allocator leaves them. Modes:
 
 * ``paged``: ``varlen_attention`` reading the cache through the slot list (what "paged|tiled"
   runs);
@@ -43,8 +44,8 @@ from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa
                                        median_ms)
 
 COLUMNS = ["requests", "queries", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode",
-           "kv_mb", "ms", "read_tbps", "tflops", "copy_tbps", "vs_copy", "graph_ms", "graph_read_tbps", "graph_vs_copy",
-           "max_err_vs_gathered"]
+           "kv_mb", "ms", "read_tbps", "tflops", "copy_tbps", "vs_copy", "graph_ms",
+           "graph_read_tbps", "graph_vs_copy", "max_err_vs_gathered"]
 MODES = ["paged", "gathered", "gather+kernel"]
 
 
