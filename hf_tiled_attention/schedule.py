@@ -478,6 +478,16 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
 # R=32 x 16k and R=256 x 4k keys, perf-notes step 57).
 VARLEN_PREFETCH_SLOT = True
 
+# Blocks per SM for the decode-shaped tiles that stream keys (the packed kernel, and the paged
+# launch that reads whole blocks): left to the compiler they take 211 KB of shared memory, one
+# block per SM, whose start and drain a request of a few key tiles cannot hide. With 2, paged
+# steps read 0.78-0.95x the copy rate from 268 MB to 8.6 GB against 0.61-0.91x (H100, graph
+# replay, perf-notes step 63). The row-gathering launch keeps the compiler's choice (at 2 it
+# spills 632 B and did not compile within 100 s). Head dims up to 128 only: at D=256 both entries
+# spill already with one block per SM (sm_90 cubins: 552 / 160 B of stack, 760 / 320 at two).
+VARLEN_DECODE_OCCUPANCY = 2
+VARLEN_DECODE_OCCUPANCY_MAX_D = 128
+
 
 def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's

@@ -24,7 +24,8 @@ from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
 from .launch import scaled_scores
 from .memo import memoize
-from .schedule import VARLEN_PREFETCH_SLOT, head_dim_tile, varlen_tiles
+from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_SLOT, head_dim_tile,
+                       varlen_tiles)
 
 MAX_GROUP_TILE = 16  # query heads packed into one tile at most (a GQA group)
 
@@ -134,7 +135,7 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         for blocks in ((True, False) if key_slots is not None else (False,)):
             constants[BLOCKS] = blocks
             constants[PREFETCH] = blocks and VARLEN_PREFETCH_SLOT
-            result.append((_kernel(arrays, constants), grid,
+            result.append((_kernel(arrays, constants, decoding=low == 0), grid,
                            arrays + scalars + (low, high, tuple(constants))))
     return result
 
@@ -169,12 +170,17 @@ def _launch(*args) -> None:
             ct.launch(stream, grid, kernel, kernel_args)
 
 
-def _kernel(arrays: tuple, constants: list):
+def _kernel(arrays: tuple, constants: list, decoding: bool):
     """The attention kernel's entry for a launch: 64-bit addresses for the cache, or where an
-    array holds 2**31 elements or more (a long packed batch); else 32-bit (faster)."""
-    from .varlen_kernel import PAGED, varlen_forward_kernel, varlen_forward_paged_kernel
-    wide = constants[PAGED] or any(a.numel() >= 2 ** 31 for a in arrays)
-    return varlen_forward_paged_kernel if wide else varlen_forward_kernel
+    array holds 2**31 elements or more (a long packed batch); else 32-bit (faster). Decode-
+    shaped tiles that stream keys (packed, or whole blocks of the cache) take the entries with
+    schedule.VARLEN_DECODE_OCCUPANCY blocks per SM, up to VARLEN_DECODE_OCCUPANCY_MAX_D."""
+    from . import varlen_kernel as K
+    wide = constants[K.PAGED] or any(a.numel() >= 2 ** 31 for a in arrays)
+    streams = constants[K.BLOCKS] or not constants[K.PAGED]
+    if decoding and streams and constants[K.TILE_D] <= VARLEN_DECODE_OCCUPANCY_MAX_D:
+        return K.varlen_decode_paged_kernel if wide else K.varlen_decode_kernel
+    return K.varlen_forward_paged_kernel if wide else K.varlen_forward_kernel
 
 
 def export_cubins(*args, arch: str) -> list[bytes]:

@@ -28,6 +28,7 @@ from typing import Annotated
 import cuda.tile as ct
 
 from .kernel_params import LOG2E
+from .schedule import VARLEN_DECODE_OCCUPANCY
 from .tile_rows import mma
 from .visibility import visible
 
@@ -81,6 +82,12 @@ def varlen_forward_paged(Q: Wide, K: Wide, V: Wide, Slots, Whole, CuQ, CuK, Sink
 
 
 varlen_forward_paged_kernel = ct.kernel(varlen_forward_paged)
+
+# The same entries for decode-shaped tiles that stream keys (varlen.py picks): with
+# schedule.VARLEN_DECODE_OCCUPANCY blocks per SM, where the compiler alone gives one.
+varlen_decode_kernel = varlen_forward_kernel.replace_hints(occupancy=VARLEN_DECODE_OCCUPANCY)
+varlen_decode_paged_kernel = varlen_forward_paged_kernel.replace_hints(
+    occupancy=VARLEN_DECODE_OCCUPANCY)
 
 
 def _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,

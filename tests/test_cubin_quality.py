@@ -30,6 +30,25 @@ def test_default_hopper_kernel_uses_tma_and_wgmma_without_spills(head_dim, causa
         f"register spills: {info.get('reg')} registers, stack {info.get('stack')} B"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_varlen_decode_tiles_fit_their_blocks_per_sm(head_dim, paged):
+    """The continuous-batching decode launch that streams keys (packed keys, or the cache's
+    whole blocks) fits VARLEN_DECODE_OCCUPANCY blocks in an SM's 228 KB of shared memory (1 KB
+    each reserved) with at most 24 B of stack: left to the compiler it took 211 KB, one block
+    per SM, and short requests read the cache 10-20% slower (perf-notes step 63)."""
+    from test_varlen import _launch_args
+
+    from hf_tiled_attention import varlen
+    from hf_tiled_attention.schedule import VARLEN_DECODE_OCCUPANCY
+    cubins = varlen.export_cubins(*_launch_args(paged=paged, head_dim=head_dim,
+                                                cache_rows=65536), arch="sm_90")
+    info = report(cubins[1] if paged else cubins[0])  # paged: after the marking launch
+    assert VARLEN_DECODE_OCCUPANCY * (info["shared"] + 1024) <= 228 * 1024, info["shared"]
+    assert info.get("stack", 0) <= 24 and info["ops"].get("UTMALDG", 0) > 0, \
+        f"{info.get('reg')} registers, stack {info.get('stack')} B"
+
+
 # Stack bytes the table's dK/dV schedule may spill per head dim (bf16, causal, GQA, sm_90;
 # perf-notes steps 42-43): above D=160 its 64-row query steps spill about 480 B and still ran
 # 1.05-1.30x faster than the 32-row steps, which spill 0-24 B; at D=160 the 32-row steps won.

@@ -181,12 +181,25 @@ def test_kernel_compiles(variant, arch):
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
 
 
-def test_the_cache_and_arrays_of_2_31_elements_take_the_64_bit_entry():
-    from hf_tiled_attention.varlen_kernel import varlen_forward_kernel, varlen_forward_paged_kernel
-    for rows, paged, kernel in ((2 ** 21 - 16, False, varlen_forward_kernel),
-                                (2 ** 21, False, varlen_forward_paged_kernel),
-                                (16, True, varlen_forward_paged_kernel)):
-        assert varlen.launches(*_launch_args(cache_rows=rows, paged=paged))[-1][0] is kernel
+def test_each_launch_takes_its_entry():
+    """64-bit addresses for the cache and for arrays of 2**31 elements; decode tiles that stream
+    keys (packed, or the cache's whole blocks) with VARLEN_DECODE_OCCUPANCY blocks per SM up
+    to VARLEN_DECODE_OCCUPANCY_MAX_D; the row-gathering launch, prefill tiles and wider heads
+    with the compiler's choice."""
+    from hf_tiled_attention import varlen_kernel as K
+
+    def kernels(**kwargs):
+        return [launch[0] for launch in varlen.launches(*_launch_args(**kwargs))]
+
+    assert kernels(cache_rows=2 ** 21 - 16, paged=False) == [K.varlen_decode_kernel]
+    assert kernels(cache_rows=2 ** 21, paged=False) == [K.varlen_decode_paged_kernel]
+    assert kernels(head_dim=256, paged=False) == [K.varlen_forward_kernel]
+    # from the cache: marking whole-block requests, block loads, row gathers
+    assert kernels() == [K.whole_tile_requests_kernel, K.varlen_decode_paged_kernel,
+                         K.varlen_forward_paged_kernel]
+    assert kernels(head_dim=256)[1:] == [K.varlen_forward_paged_kernel] * 2
+    # a prefill chunk beside decode steps: decode tiles, then prefill tiles
+    assert kernels(max_q=300, paged=False) == [K.varlen_decode_kernel, K.varlen_forward_kernel]
 
 
 # ---------------------------------------------------------------------------------------------
