@@ -61,7 +61,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             out = padded[:query.shape[0]]
             written = out
         else:
-            padded = _rows_of_16(out)  # ``out`` itself, or a copy that is copied back
+            # ``out`` itself, or a copy that is copied back (never a view: the kernel writes)
+            padded = _rows_of_16(out, may_view=False)
             written = padded[:out.shape[0]]
         _launch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                 softcap, sinks, key_slots, padded)
@@ -140,15 +141,23 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     return result
 
 
-def _rows_of_16(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with its first dim a multiple of 16 (a copy with rows appended, never read,
-    where it is not). cuTile compiles a kernel per divisibility of each extent (by 16 or not);
-    a serving step's token and request counts change at every step, and three extents free
-    to vary would compile eight variants of each launch in the middle of serving."""
+def _rows_of_16(tensor: torch.Tensor, *, may_view: bool = True) -> torch.Tensor:
+    """``tensor`` with its first dim a multiple of 16, the rows past its own never read: cuTile
+    compiles a kernel per divisibility of each extent (by 16 or not); a serving step's token
+    and request counts change at every step, and three extents free to vary would compile
+    eight variants of each launch in the middle of serving. Where the tensor's storage reaches
+    that far (``may_view``; transformers hands the cu_seqlens and slot lists as slices of larger
+    static buffers) a view over it, else a copy with rows appended: on a GPU each copy is a
+    kernel of its own, two to four per call (perf-notes step 62)."""
     rows = tensor.shape[0]
     if rows % 16 == 0:
         return tensor
-    padded = tensor.new_empty((rows + 15) // 16 * 16, *tensor.shape[1:])
+    shape = ((rows + 15) // 16 * 16, *tensor.shape[1:])
+    if may_view and tensor.numel():
+        last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(shape, tensor.stride()))
+        if last < tensor.untyped_storage().nbytes() // tensor.element_size():
+            return tensor.as_strided(shape, tensor.stride())
+    padded = tensor.new_empty(shape)
     padded[:rows].copy_(tensor)
     return padded
 

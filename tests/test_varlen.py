@@ -181,6 +181,27 @@ def test_kernel_compiles(variant, arch):
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
 
 
+def test_launch_arrays_view_storage_that_reaches_16_rows():
+    """The launches pad each array to a multiple of 16 rows (never read): an input whose storage
+    reaches that far (transformers' cu_seqlens, slices of a static buffer) is viewed in place,
+    with no copy kernel; one at its storage's end is copied; ``out``, which the kernel writes,
+    is always copied."""
+    static = torch.arange(6 * 65, dtype=torch.int32).view(6, 65)
+    cu_seqlens = static[2, :33]
+    padded = varlen._rows_of_16(cu_seqlens)
+    assert padded.shape == (48,) and padded.data_ptr() == cu_seqlens.data_ptr()
+    assert torch.equal(padded[:33], cu_seqlens)
+    at_the_end = static[5, 60:]
+    padded = varlen._rows_of_16(at_the_end)
+    assert padded.shape == (16,) and padded.data_ptr() != at_the_end.data_ptr()
+    assert torch.equal(padded[:5], at_the_end)
+    rows = torch.zeros(64, 2, 8)[:33]
+    assert varlen._rows_of_16(rows).data_ptr() == rows.data_ptr()
+    assert varlen._rows_of_16(rows, may_view=False).data_ptr() != rows.data_ptr()
+    whole = static[0, :32]
+    assert varlen._rows_of_16(whole) is whole
+
+
 def test_each_launch_takes_its_entry():
     """64-bit addresses for the cache and for arrays of 2**31 elements; decode tiles that stream
     keys (packed, or the cache's whole blocks) with VARLEN_DECODE_OCCUPANCY blocks per SM up
