@@ -1,7 +1,8 @@
 """The tiled kernels behind FlashAttention's function interface (``flash_attn_func``,
-``flash_attn_varlen_func``), for transformers' Hub-kernel route (hub_kernel/, serving.py):
-transformers 5.19 and later serve continuous batching only through FlashAttention names, and
-call a kernel loaded that way through these two functions.
+``flash_attn_varlen_func``, ``flash_attn_with_kvcache``), for transformers' Hub-kernel route
+(hub_kernel/, serving.py): transformers 5.19 and later serve continuous batching only through
+FlashAttention names, and call a kernel loaded that way through these functions (the last one
+for decode steps on its block table).
 
 What FlashAttention computes and these do not (dropout, bidirectional packed rows, a right
 window that differs from the left one under causal) is an error naming the argument."""
@@ -51,6 +52,64 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
         scale=softmax_scale, window=_window(window_size, causal), softcap=softcap or None,
         sinks=s_aux)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                            cache_seqlens: Optional[torch.Tensor] = None,
+                            block_table: Optional[torch.Tensor] = None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            s_aux: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention over a paged cache, appending new keys first (transformers' decode steps on its
+    block table): q ``(B, Sq, Hq, D)``; k_cache/v_cache ``(pages, page, Hkv, D)``; k/v ``(B, Sn,
+    Hkv, D)`` the new tokens, written at positions ``cache_seqlens[b] ..`` of request ``b``,
+    whose pages ``block_table`` ``(B, max_pages)`` lists; then request ``b``'s queries attend to
+    its ``cache_seqlens[b] + Sn`` keys (causal at the end) where they lie in the cache. Returns
+    ``(B, Sq, Hq, D)``.
+
+    One :func:`varlen.varlen_attention` over the cache (no gathered copy), with every shape
+    fixed by the arguments' shapes and nothing read on the host, so a CUDA graph can hold it:
+    request ``b``'s slots are row ``b`` of the block table expanded to ``max_pages * page``
+    slots, and a request with no queries after each real one takes the rest of its row."""
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("flash_attn_with_kvcache on the tiled kernels reads a paged cache: "
+                         "pass block_table (B, max_pages) and cache_seqlens (B,)")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must be (pages, page, Hkv, D) of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, queries = q.shape[:2]
+    if not causal and queries > 1:
+        raise ValueError("flash_attn_with_kvcache on the tiled kernels is causal only (causal="
+                         f"False with {queries} queries a request)")
+    page = k_cache.shape[1]
+    k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)   # (pages * page, Hkv, D)
+    table = block_table.long() * page
+    lengths = cache_seqlens.long()
+    if k is not None:
+        position = lengths[:, None] + torch.arange(k.shape[1], device=k.device)
+        written = table.gather(1, (position // page).clamp(min=0)) + position % page
+        # A padding row (transformers pads a graph's batch: cache_seqlens -1, its table row -1)
+        # writes nothing: its writes repeat the first real one, the same value to the same slot.
+        real = (position >= 0).flatten()
+        first = real.int().argmax()
+        written = torch.where(real, written.flatten(), written.flatten()[first])
+        for cache, new in ((k_slots, k), (v_slots, v)):
+            rows = new.flatten(0, 1)
+            cache.index_copy_(0, written, torch.where(real[:, None, None], rows, rows[first]))
+        lengths = lengths + k.shape[1]
+    lengths = lengths.clamp(min=0)
+    row = table.shape[1] * page
+    slots = (table[:, :, None] + torch.arange(page, device=table.device)).flatten()
+    starts = torch.arange(batch, device=q.device) * row
+    ends = torch.full((1,), batch * row, device=q.device)
+    cu_k = torch.cat([torch.stack([starts, starts + lengths.to(q.device)], 1).flatten(), ends])
+    cu_q = (torch.arange(2 * batch + 1, device=q.device) + 1) // 2 * queries
+    out = varlen.varlen_attention(
+        q.flatten(0, 1), k_slots, v_slots, cu_q.to(torch.int32), cu_k.to(torch.int32), queries,
+        scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
+        sinks=s_aux, key_slots=slots)
+    return out.unflatten(0, (batch, queries))
 
 
 def _no_dropout(dropout_p: float) -> None:

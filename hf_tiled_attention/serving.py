@@ -14,10 +14,12 @@ tokens may overwrite).
 transformers 5.19 and later (read in 5.19-5.25) admit only ``"paged|eager"``, ``"sdpa"`` and
 names containing "flash" that load as FlashAttention or as a Hub kernel (the ``kernels``
 package). The tiled kernels take that last door: :func:`flash_kernel` points ``kernels`` at
-hub_kernel/ (``LOCAL_KERNELS``) and returns its name, ``"hf-tiled-attention/flash-tiled"``,
+hub_kernel/ (``LOCAL_KERNELS``) and returns its name, ``"hf-tiled-attention/flash2-tiled"``,
 which a model loads as its ``attn_implementation``; transformers then calls FlashAttention's
-functions on it (flash_interface.py), the cache gathered for each call (that path has no
-paged read; it needs names of FlashAttention 2 or 3 for its block table). A model class that
+functions on it (flash_interface.py): decode-only steps of models whose layers are all full
+attention through ``flash_attn_with_kvcache`` with its block table (the kernel reads the cache
+in place), other steps through ``flash_attn_varlen_func`` with the cache gathered for the
+call. A model class that
 lists its own FlashAttention kernels (``_compatible_flash_implementations``: gpt-oss) is given
 the first of those instead of any other flash name, so it has no such route.
 """
@@ -31,9 +33,12 @@ from typing import Optional
 import torch
 
 PAGED_PREFIX = "paged|"
-# The Hub-kernel name of the tiled kernels ("flash" in it: transformers' continuous batching
-# admits such names), and the folder the `kernels` package loads for it.
-FLASH_KERNEL = "hf-tiled-attention/flash-tiled"
+# The Hub-kernel name of the tiled kernels, and the folder the `kernels` package loads for it.
+# "flash" in it: transformers 5.19+'s continuous batching admits only such names; a "2" after
+# it: 5.25 hands the block table of decode steps (flash_attn_with_kvcache) only to names that
+# match r".*flash.*2" or 3, FlashAttention 2's and 3's (read in its continuous_batching/
+# initialization.py), else it gathers the cache for every call.
+FLASH_KERNEL = "hf-tiled-attention/flash2-tiled"
 FLASH_KERNEL_DIR = Path(__file__).resolve().parent / "hub_kernel"
 # The first transformers release whose continuous batching no longer looks up "paged|<name>".
 FIRST_WITHOUT_PAGED_NAMES = (5, 19)

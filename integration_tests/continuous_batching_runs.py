@@ -33,24 +33,27 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def _configs(max_batch_tokens=None, cuda_graphs: bool = False
+def _configs(max_batch_tokens=None, cuda_graphs: bool = False, block_table: bool = False
              ) -> tuple[GenerationConfig, ContinuousBatchingConfig]:
     """Greedy generation (no EOS, a fixed count) and the batching: pages of 16 tokens, so a
     request's keys lie on several pages; a small token budget splits prompts into chunks
     (prefill after a cached part); ``cuda_graphs``: steps captured and replayed (asked for:
-    transformers 5.17-5.18 capture none for "paged|tiled" by default)."""
+    transformers 5.17-5.18 capture none for "paged|tiled" by default); ``block_table``: 5.19+'s
+    decode steps on the block table, up to 8 pages a request (:func:`block_table_decode`)."""
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
     page = "page_size" if hasattr(ContinuousBatchingConfig, "page_size") else "block_size"
+    pages = {"max_blocks_per_request": 8} if block_table else {}
     return config, ContinuousBatchingConfig(**{page: 16}, num_blocks=64,
                                             max_batch_tokens=max_batch_tokens or 256,
-                                            use_cuda_graph=True if cuda_graphs else None)
+                                            use_cuda_graph=True if cuda_graphs else None,
+                                            **pages)
 
 
 def greedy_batch(model, requests, max_batch_tokens=None, device="cpu",
-                 cuda_graphs: bool = False) -> list[list[int]]:
+                 cuda_graphs: bool = False, block_table: bool = False) -> list[list[int]]:
     """Greedy tokens of ``generate_batch``, in request order (:func:`_configs`)."""
-    config, batching = _configs(max_batch_tokens, cuda_graphs)
+    config, batching = _configs(max_batch_tokens, cuda_graphs, block_table)
     results = model.to(device).generate_batch(requests, generation_config=config,
                                                continuous_batching_config=batching)
     ordered = sorted(results.values(), key=lambda r: int(r.request_id.split("_")[-1]))
@@ -118,16 +121,27 @@ def graph_padding():
     return mock.patch.object(ModelRunner, "__init__", padded)
 
 
+def block_table_decode():
+    """transformers 5.19+'s decode steps on the block table (``flash_attn_with_kvcache``) on any
+    device: its check that turns them off without CUDA (``ensure_decode_fast_path_is_available``)
+    passed by, so the batching's ``max_blocks_per_request`` stands. The same calls reach the
+    attention as on a GPU."""
+    from transformers.generation.continuous_batching import initialization
+    return mock.patch.object(initialization, "ensure_decode_fast_path_is_available",
+                             lambda *args, **kwargs: None)
+
+
 def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
         implementation: str = "tiled", manager: bool = False, cuda_graphs: bool = False,
-        padded: bool = False) -> dict:
+        padded: bool = False, block_table: bool = False) -> dict:
     """Greedy tokens of eager and of ``implementation`` ("tiled", or the tiled kernels' Hub-
     kernel name) under continuous batching for ``name``'s tiny model, the kernel's call count,
     and how many of those calls read the paged cache in place. ``manager``: ``implementation``
     through the manager API, requests arriving while it runs (:func:`greedy_manager`).
     ``cuda_graphs``: ``implementation``'s steps in CUDA graphs (the kernel's Python runs only
     while a graph is captured; ``replays`` counts the steps replayed); ``padded``: its inputs
-    padded as for graphs, run without them (:func:`graph_padding`)."""
+    padded as for graphs, run without them (:func:`graph_padding`); ``block_table``: decode
+    steps on 5.19+'s block table (:func:`block_table_decode`)."""
     requests = prompts()
     eager_model = build(name, "eager").to(dtype)
     if getattr(eager_model.config, "attn_logit_softcapping", None):
@@ -149,10 +163,11 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
 
     with mock.patch.object(varlen, "varlen_attention", counted), \
             mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay), \
-            graph_padding() if padded else contextlib.nullcontext():
+            graph_padding() if padded else contextlib.nullcontext(), \
+            block_table_decode() if block_table else contextlib.nullcontext():
         model = build(name, implementation).to(dtype)
         tiled = greedy_manager(model, requests, device, cuda_graphs) if manager else \
-            greedy_batch(model, requests, max_batch_tokens, device, cuda_graphs)
+            greedy_batch(model, requests, max_batch_tokens, device, cuda_graphs, block_table)
     return {"model": name, "eager": eager, "tiled": tiled, **calls}
 
 

@@ -114,6 +114,27 @@ def test_manager_api_matches_eager():
         assert r["calls"] >= 2 * 10 and r["calls"] % 2 == 0, r
 
 
+def test_hub_kernel_decode_steps_read_the_block_table():
+    """transformers 5.19+ hands the block table of decode-only steps (``flash_attn_with_kvcache``)
+    only to names it reads as FlashAttention 2 or 3 (r".*flash.*2" or 3): the Hub-kernel name
+    is one, and with those steps on (transformers turns them off without CUDA; passed by here)
+    models whose layers are all full attention read the cache in place on every decode step,
+    with eager's tokens."""
+    if serving.serves_custom_attention():
+        pytest.skip("transformers 5.17-5.18 serve 'tiled' itself, reading the cache in place")
+    pytest.importorskip("kernels")
+    from transformers.utils.generic import is_flash_attention_requested
+    name = hta.flash_kernel()
+    assert is_flash_attention_requested(requested_attention_implementation=name, version=[2, 3])
+    from continuous_batching_runs import NEW_TOKENS, run
+    for model in ("llama", "qwen3"):
+        r = run(model, implementation=name, block_table=True)
+        assert r["tiled"] == r["eager"], model
+        # every step after the one prefill step is decode-only: one block-table call per layer
+        layers = build(model, "eager").config.num_hidden_layers
+        assert r["paged"] == (NEW_TOKENS - 1) * layers, r
+
+
 @pytest.mark.parametrize("max_batch_tokens", [None, 24], ids=["one-batch", "chunked-prefill"])
 def test_hub_kernel_route_matches_eager(max_batch_tokens):
     """The route of transformers 5.19+: the tiled kernels loaded as a Hub kernel (the `kernels`
@@ -241,7 +262,7 @@ def test_model_with_its_own_flash_kernels_is_refused_on_newer_transformers():
 
 def test_transformers_serve_runs_on_the_kernels(tmp_path):
     """``transformers serve --continuous-batching --attn-implementation
-    hf-tiled-attention/flash-tiled`` (the README's command line, LOCAL_KERNELS from ``python -m
+    hf-tiled-attention/flash2-tiled`` (the README's command line, LOCAL_KERNELS from ``python -m
     hf_tiled_attention.hub_kernel``) on a tiny Llama saved to a folder: three concurrent chat
     requests get eager's greedy tokens, and every layer of every step ran the packed-requests
     op (counted in the model's process: serve_runs.py)."""

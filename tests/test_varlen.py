@@ -239,6 +239,83 @@ def test_flash_varlen_interface_matches_the_definition():
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_flash_kvcache_interface_writes_the_new_keys_and_reads_the_block_table():
+    """transformers' decode steps on its block table: the new keys and values land in the
+    requests' pages at cache_seqlens, then each request's queries attend to its keys where
+    they lie (pages shuffled; unused table entries -1, as transformers fills them)."""
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    g = torch.Generator().manual_seed(3)
+    pages, page, heads_q, heads_kv, dim = 12, 8, 4, 2, 16
+    cached = torch.tensor([5, 0, 19])                       # keys each request has so far
+    new, queries = 2, 2
+    k_cache = torch.randn(pages, page, heads_kv, dim, generator=g)
+    v_cache = torch.randn(pages, page, heads_kv, dim, generator=g)
+    table = torch.full((3, 4), -1, dtype=torch.int32)
+    order = torch.randperm(pages, generator=g)
+    table[0, :1], table[1, :1], table[2, :3] = order[:1], order[1:2], order[2:5]
+    q = torch.randn(3, queries, heads_q, dim, generator=g)
+    k_new, v_new = (torch.randn(3, new, heads_kv, dim, generator=g) for _ in range(2))
+    sinks = torch.randn(heads_q, generator=g)
+    before = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                  block_table=table, softmax_scale=0.3, causal=True,
+                                  window_size=(5, 5), softcap=4.0, s_aux=sinks)
+    keys, values, written = [], [], torch.zeros(pages * page, dtype=torch.bool)
+    for b, n in enumerate(cached.tolist()):
+        position = torch.arange(n + new)
+        slot = table[b].long()[position // page] * page + position % page
+        written[slot[n:]] = True
+        keys.append(k_cache.flatten(0, 1)[slot])
+        values.append(v_cache.flatten(0, 1)[slot])
+        torch.testing.assert_close(keys[-1][n:], k_new[b], rtol=0, atol=0)
+        torch.testing.assert_close(values[-1][n:], v_new[b], rtol=0, atol=0)
+    for cache, old in zip((k_cache, v_cache), before):   # nothing else in the cache moved
+        assert torch.equal(cache.flatten(0, 1)[~written], old.flatten(0, 1)[~written])
+    cu_q = torch.arange(4, dtype=torch.int32) * queries
+    cu_k = torch.tensor([0, *(cached + new).cumsum(0).tolist()], dtype=torch.int32)
+    expected = definition(q.flatten(0, 1), torch.cat(keys), torch.cat(values), cu_q, cu_k,
+                          0.3, window=6, softcap=4.0, sinks=sinks)
+    torch.testing.assert_close(out.flatten(0, 1).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_kvcache_interface_ignores_padding_rows():
+    """Rows transformers adds to fill a captured graph's batch (cache_seqlens -1, block table
+    row -1): nothing written for them, zeros out, the real rows as without them."""
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    g = torch.Generator().manual_seed(5)
+    cache = [torch.randn(6, 8, 2, 16, generator=g) for _ in range(2)]
+    table = torch.tensor([[3, 1, -1], [-1, -1, -1], [0, -1, -1], [-1, -1, -1]],
+                         dtype=torch.int32)
+    cached = torch.tensor([9, -1, 2, -1])
+    q = torch.randn(4, 1, 4, 16, generator=g)
+    k_new, v_new = (torch.randn(4, 1, 2, 16, generator=g) for _ in range(2))
+    real = [0, 2]
+    padded_cache = [c.clone() for c in cache]
+    out = flash_attn_with_kvcache(q, *padded_cache, k_new, v_new, cache_seqlens=cached,
+                                  block_table=table, causal=True)
+    want = flash_attn_with_kvcache(q[real], *cache, k_new[real], v_new[real],
+                                   cache_seqlens=cached[real], block_table=table[real],
+                                   causal=True)
+    torch.testing.assert_close(out[real], want, rtol=0, atol=0)
+    assert (out[[1, 3]] == 0).all()
+    for padded, alone in zip(padded_cache, cache):
+        assert torch.equal(padded, alone)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_table=None), r"reads a paged cache: pass block_table"),
+    (dict(causal=False), r"causal only \(causal=False with 2 queries"),
+])
+def test_flash_kvcache_interface_refuses_what_it_does_not_compute(kwargs, message):
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    cache = torch.zeros(4, 8, 2, 16)
+    args = dict(cache_seqlens=torch.tensor([3]), block_table=torch.zeros(1, 2, dtype=torch.int32),
+                causal=True)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_with_kvcache(torch.zeros(1, 2, 4, 16), cache, cache.clone(),
+                                **{**args, **kwargs})
+
+
 def test_flash_batched_interface_matches_tiled_attention():
     from hf_tiled_attention.flash_interface import flash_attn_func
     g = torch.Generator().manual_seed(2)

@@ -212,3 +212,83 @@ def test_reference_and_kernel_agree_in_fp32():
     reference = varlen._reference(q, cache_k, cache_v, cu_q, cu_k, 40, 0.125, 50, 10.0, sinks,
                                   slots, torch.zeros_like(q))
     torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=2e-5)
+
+
+def _block_table_case(cached, pages_per_request=8, page=256, heads=(32, 8), head_dim=128,
+                      all_pages=False):
+    """A paged cache (pages of ``page`` slots, shuffled, bf16) with each request's pages in its
+    block table row (the entries past them -1, as transformers fills them; ``all_pages``: every
+    entry a page), one query and one new key/value per request: transformers 5.19+'s decode
+    step on its block table."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batch = len(cached)
+    pages = batch * pages_per_request + 3
+    k_cache, v_cache = (torch.randn(pages, page, heads[1], head_dim, generator=g, device="cuda",
+                                    dtype=torch.bfloat16) for _ in range(2))
+    table = torch.full((batch, pages_per_request), -1, dtype=torch.int32, device="cuda")
+    order = torch.randperm(pages, generator=g, device="cuda").to(torch.int32)
+    for b, n in enumerate(cached):
+        used = pages_per_request if all_pages else n // page + 1
+        table[b, :used] = order[b * pages_per_request:b * pages_per_request + used]
+    q = torch.randn(batch, 1, heads[0], head_dim, generator=g, device="cuda",
+                    dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, 1, heads[1], head_dim, generator=g, device="cuda",
+                                dtype=torch.bfloat16) for _ in range(2))
+    return q, k_cache, v_cache, k_new, v_new, table, torch.tensor(cached, device="cuda")
+
+
+def _block_table_definition(q, k_cache, v_cache, table, lengths):
+    page = k_cache.shape[1]
+    keys, values = [], []
+    for b, n in enumerate(lengths.tolist()):
+        position = torch.arange(n, device="cuda")
+        slot = table[b].long()[position // page] * page + position % page
+        keys.append(k_cache.flatten(0, 1)[slot].cpu().float())
+        values.append(v_cache.flatten(0, 1)[slot].cpu().float())
+    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0, *lengths.cpu().cumsum(0).tolist()], dtype=torch.int32)
+    return definition(q.flatten(0, 1).cpu().float(), torch.cat(keys), torch.cat(values), cu_q,
+                      cu_k, scale=q.shape[-1] ** -0.5)
+
+
+def test_flash_kvcache_interface_reads_the_block_table():
+    """FlashAttention's decode on a block table (flash_interface.flash_attn_with_kvcache, the
+    Hub-kernel route of transformers 5.19+): the new keys written into their pages, then every
+    request's keys read where they lie, against the definition."""
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case(
+        [0, 255, 256, 1000, 2047, 17, 511, 1])
+    poison_allocator(q.numel() * 64)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                  block_table=table, softmax_scale=128 ** -0.5, causal=True)
+    torch.cuda.synchronize()
+    want = _block_table_definition(q, k_cache, v_cache, table, cached + 1)
+    err = (out.flatten(0, 1).double().cpu() - want).abs().max().item()
+    assert torch.isfinite(out).all() and err <= TOLERANCE[torch.bfloat16], err
+    for b, n in enumerate(cached.tolist()):
+        slot = table[b, n // 256].long() * 256 + n % 256
+        assert torch.equal(k_cache.flatten(0, 1)[slot], k_new[b, 0])
+
+
+def test_flash_kvcache_interface_in_a_cuda_graph():
+    """Captured once and replayed with other lengths in the same tensors (transformers replays
+    its decode steps so, with padding rows: cache_seqlens -1, table row -1): nothing of the call
+    is decided on the host."""
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case([10, 700, 300, 1500],
+                                                                         all_pages=True)
+
+    def step():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                       block_table=table, causal=True)
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    cached.copy_(torch.tensor([100, 900, -1, 1600]))  # the same pages hold these; row 2 pads
+    table[2].fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _block_table_definition(q, k_cache, v_cache, table, cached + 1)
+    err = (out.flatten(0, 1).double().cpu() - want).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], err
