@@ -88,12 +88,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lengths = cache_seqlens.long()
     if k is not None:
         position = lengths[:, None] + torch.arange(k.shape[1], device=k.device)
-        written = table.gather(1, (position // page).clamp(min=0)) + position % page
+        written = (table.gather(1, (position // page).clamp(min=0)) + position % page).flatten()
         # A padding row (transformers pads a graph's batch: cache_seqlens -1, its table row -1)
         # writes nothing: its writes repeat the first real one, the same value to the same slot.
         real = (position >= 0).flatten()
         first = real.int().argmax()
-        written = torch.where(real, written.flatten(), written.flatten()[first])
+        written = torch.where(real, written, written[first])
         for cache, new in ((k_slots, k), (v_slots, v)):
             rows = new.flatten(0, 1)
             cache.index_copy_(0, written, torch.where(real[:, None, None], rows, rows[first]))

@@ -239,6 +239,16 @@ def test_flash_varlen_interface_matches_the_definition():
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def block_table_slots(table: torch.Tensor, lengths: torch.Tensor, page: int) -> list:
+    """Each request's cache slots in key order: its ``lengths[b]`` keys on the pages its block
+    table row lists (the layout flash_attn_with_kvcache reads and writes)."""
+    slots = []
+    for row, n in zip(table.long(), lengths.tolist()):
+        position = torch.arange(n, device=table.device)
+        slots.append(row[position // page] * page + position % page)
+    return slots
+
+
 def test_flash_kvcache_interface_writes_the_new_keys_and_reads_the_block_table():
     """transformers' decode steps on its block table: the new keys and values land in the
     requests' pages at cache_seqlens, then each request's queries attend to its keys where
@@ -261,9 +271,8 @@ def test_flash_kvcache_interface_writes_the_new_keys_and_reads_the_block_table()
                                   block_table=table, softmax_scale=0.3, causal=True,
                                   window_size=(5, 5), softcap=4.0, s_aux=sinks)
     keys, values, written = [], [], torch.zeros(pages * page, dtype=torch.bool)
-    for b, n in enumerate(cached.tolist()):
-        position = torch.arange(n + new)
-        slot = table[b].long()[position // page] * page + position % page
+    for b, (n, slot) in enumerate(zip(cached.tolist(),
+                                      block_table_slots(table, cached + new, page))):
         written[slot[n:]] = True
         keys.append(k_cache.flatten(0, 1)[slot])
         values.append(v_cache.flatten(0, 1)[slot])

@@ -8,7 +8,7 @@ import torch
 
 from hf_tiled_attention import varlen, varlen_attention
 from test_kernel_gpu import TOLERANCE, _kernel_required, poison_allocator  # noqa: F401
-from test_varlen import definition
+from test_varlen import block_table_slots, definition
 
 pytestmark = [
     pytest.mark.gpu,
@@ -238,13 +238,9 @@ def _block_table_case(cached, pages_per_request=8, page=256, heads=(32, 8), head
 
 
 def _block_table_definition(q, k_cache, v_cache, table, lengths):
-    page = k_cache.shape[1]
-    keys, values = [], []
-    for b, n in enumerate(lengths.tolist()):
-        position = torch.arange(n, device="cuda")
-        slot = table[b].long()[position // page] * page + position % page
-        keys.append(k_cache.flatten(0, 1)[slot].cpu().float())
-        values.append(v_cache.flatten(0, 1)[slot].cpu().float())
+    slots = block_table_slots(table, lengths, k_cache.shape[1])
+    keys = [k_cache.flatten(0, 1)[slot].cpu().float() for slot in slots]
+    values = [v_cache.flatten(0, 1)[slot].cpu().float() for slot in slots]
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     cu_k = torch.tensor([0, *lengths.cpu().cumsum(0).tolist()], dtype=torch.int32)
     return definition(q.flatten(0, 1).cpu().float(), torch.cat(keys), torch.cat(values), cu_q,
@@ -265,9 +261,8 @@ def test_flash_kvcache_interface_reads_the_block_table():
     want = _block_table_definition(q, k_cache, v_cache, table, cached + 1)
     err = (out.flatten(0, 1).double().cpu() - want).abs().max().item()
     assert torch.isfinite(out).all() and err <= TOLERANCE[torch.bfloat16], err
-    for b, n in enumerate(cached.tolist()):
-        slot = table[b, n // 256].long() * 256 + n % 256
-        assert torch.equal(k_cache.flatten(0, 1)[slot], k_new[b, 0])
+    for b, slot in enumerate(block_table_slots(table, cached + 1, 256)):  # the new key last
+        assert torch.equal(k_cache.flatten(0, 1)[slot[-1]], k_new[b, 0])
 
 
 def test_flash_kvcache_interface_in_a_cuda_graph():
