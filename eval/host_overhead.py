@@ -67,7 +67,6 @@ def stubbed_launch():
                                     "sm_count": lambda device: 132,
                                     "_arch_major": lambda device: 9}),
                               (ct, {"launch": lambda *args, **options: None}),
-                              (torch.cuda, {"current_stream": lambda device=None: _NoStream}),
                               (torch._C, {"_cuda_getCurrentRawStream": lambda index: 0}),
                               (torch._C, {"_cuda_getDevice": lambda: None})):
             for name, stub in value.items():
@@ -77,10 +76,6 @@ def stubbed_launch():
             yield
         finally:
             hta.clear_caches()
-
-
-class _NoStream:  # the stubbed current stream's handle (varlen's launches read it)
-    cuda_stream = 0
 
 
 def per_call_ms(fn, calls: int = CALLS, cuda: bool = True) -> tuple[float, float]:

@@ -23,8 +23,8 @@ from .call_options import CallOptions
 from .determinism import deterministic
 from .kernel_params import (MASK_GRAD_ROW_SUMS, MASK_GRAD_ROWS, NO_MASK, NO_MASK_GRAD,
                             AttentionConstants)
-from .launch import (array_constraint, kernel_constants, kernel_copy_with_mods, launch_device,
-                     placeholders, score_scalars)
+from .launch import (array_constraint, current_stream, kernel_constants, kernel_copy_with_mods,
+                     launch_device, placeholders, score_scalars)
 from .masks import NO_MASK_LAYOUT, CompactMask, ModMask, kernel_mask_dtype
 from .memo import memoize
 from .mods import CompiledMods
@@ -263,7 +263,7 @@ def run_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         options.window or 0, keep)
     rows_kernel, kv_kernel, q_kernel = plan.kernels
     kv_constants, q_constants = plan.constant_values
-    stream = torch._C._cuda_getCurrentRawStream(query.device.index)
+    stream = current_stream(query.device)
     pdl = plan.schedule.pdl  # (the dK/dV and dQ launches start before their predecessor ends)
     with launch_device(query.device):
         ct.launch(stream, grids[0], rows_kernel, rows_args)

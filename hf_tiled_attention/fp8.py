@@ -32,7 +32,7 @@ import torch
 
 from .checks import check_inputs, check_options, check_sinks
 from .kernel_params import AMAX_FLOOR, E4M3_MAX, LOG2E
-from .launch import scaled_scores
+from .launch import current_stream, launch_device, scaled_scores
 from .memo import memoize
 from .schedule import FP8_HINTS, fp8_quant_tokens, fp8_tiles, head_dim_tile
 
@@ -148,9 +148,8 @@ def quantize_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
 def _quantize_on_device(query, key, value) -> Fp8Inputs:
     import cuda.tile as ct
 
-    from .launch import launch_device
     inputs, launches = quantize_launches(query, key, value)
-    stream = torch.cuda.current_stream(query.device).cuda_stream
+    stream = current_stream(query.device)
     with launch_device(query.device):
         for kernel, grid, args in launches:
             ct.launch(stream, grid, kernel, args)
@@ -320,12 +319,11 @@ def _launch(inputs: Fp8Inputs, query: torch.Tensor, is_causal, scale, window, so
             sinks) -> torch.Tensor:
     import cuda.tile as ct
 
-    from .launch import launch_device
     batch, heads, seq, dim = query.shape
     out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)  # transformers' layout
     grid, args = launch_args(inputs, out, is_causal, scale, window, softcap, sinks)
     with launch_device(query.device):
-        ct.launch(torch.cuda.current_stream(query.device).cuda_stream, grid, _kernel(), args)
+        ct.launch(current_stream(query.device), grid, _kernel(), args)
     return out
 
 

@@ -22,9 +22,9 @@ import torch
 from .fp8_cache import (check_rows, dequantize_rows, is_fp8_rows, key_rotation, keys_from_rows,
                         row_head_dim, rows_like, split_rows)
 from .kernel_params import LOG2E, MergeConstants
-from .launch import (BufferViews, buffer_views, group_rows, kv_splits, launch_device,
-                     merge_constants, next_power_of_two, packed_group_tile, scaled_scores,
-                     split_buffers)
+from .launch import (BufferViews, buffer_views, current_stream, group_rows, kv_splits,
+                     launch_device, merge_constants, next_power_of_two, packed_group_tile,
+                     scaled_scores, split_buffers)
 from .layer_call import LayerCall, read_call, route_for
 from .memo import memoize
 from .reference import empty_output
@@ -275,7 +275,7 @@ def _decode_launch(query, key_rows, value_rows, key_mask, causal, scale, window,
     from .memo import may_keep_device_memory
     from .op import sm_count
     device = query.device
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    stream = current_stream(device)
     keep = may_keep_device_memory(eager, device)
     out, lse, launches = decode_launches(query, key_rows, value_rows, key_mask, causal, scale,
                                          window, softcap, diag_offset,
@@ -323,7 +323,7 @@ def quantize_on_device(states: torch.Tensor) -> torch.Tensor:
     rows = rows_like(states)
     kernel, grid, args = quantize_launch(states, rows)
     with launch_device(states.device):
-        ct.launch(torch._C._cuda_getCurrentRawStream(states.device.index), grid, kernel, args)
+        ct.launch(current_stream(states.device), grid, kernel, args)
     return rows
 
 

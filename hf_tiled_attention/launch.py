@@ -571,8 +571,7 @@ def run_kernel(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor, value: 
     import cuda.tile as ct
 
     device = query.device
-    # The raw handle: a torch.cuda.Stream object costs several microseconds per call to make.
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    stream = current_stream(device)
     if keep is None:
         keep = may_keep_device_memory(eager, device)
     arrays = launch_arrays(plan, query, key, value, mask, stream if keep else None)
@@ -622,7 +621,7 @@ def repeatable_launch(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
     if plan.return_lse:
         raise ValueError("repeatable_launch: the plan returns an LSE, which a Relaunch does not")
     device = query.device
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    stream = current_stream(device)
     arrays = launch_arrays(plan, query, key, value, mask, stream)
     batch, heads, seq, head_dim = query.shape
     rows = plan.views.group_rows
@@ -635,6 +634,12 @@ def repeatable_launch(plan: LaunchPlan, query: torch.Tensor, key: torch.Tensor,
 
 
 _SAME_DEVICE = contextlib.nullcontext()  # (reusable: one object, not one per call)
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream, which every launch goes on (a
+    torch.cuda.Stream object costs several microseconds per call to make)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def launch_device(device: torch.device):

@@ -22,7 +22,7 @@ import torch
 
 from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
-from .launch import scaled_scores
+from .launch import current_stream, launch_device, scaled_scores
 from .memo import memoize
 from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_SLOT, head_dim_tile,
                        varlen_tiles)
@@ -170,11 +170,9 @@ def _no_sinks(device: torch.device) -> torch.Tensor:
 def _launch(*args) -> None:
     import cuda.tile as ct
 
-    from .launch import launch_device
-
     device = args[0].device
     with launch_device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = current_stream(device)
         for kernel, grid, kernel_args in launches(*args):
             ct.launch(stream, grid, kernel, kernel_args)
 
