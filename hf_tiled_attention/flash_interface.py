@@ -91,12 +91,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         written = (table.gather(1, (position // page).clamp(min=0)) + position % page).flatten()
         # A padding row (transformers pads a graph's batch: cache_seqlens -1, its table row -1)
         # writes nothing: its writes repeat the first real one, the same value to the same slot.
+        # (index_select, not [first]: a tensor index is read on the host, which a graph forbids.)
         real = (position >= 0).flatten()
-        first = real.int().argmax()
-        written = torch.where(real, written, written[first])
+        first = real.int().argmax().view(1)
+        written = torch.where(real, written, written.index_select(0, first))
         for cache, new in ((k_slots, k), (v_slots, v)):
             rows = new.flatten(0, 1)
-            cache.index_copy_(0, written, torch.where(real[:, None, None], rows, rows[first]))
+            cache.index_copy_(0, written,
+                              torch.where(real[:, None, None], rows, rows.index_select(0, first)))
         lengths = lengths + k.shape[1]
     lengths = lengths.clamp(min=0)
     row = table.shape[1] * page
