@@ -38,8 +38,8 @@ from eval.common import ResultsWriter, output_dir  # noqa: E402
 from eval.models import SHAPES, model_device  # noqa: E402
 from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
                             step_fields)
-from eval.train_throughput import (BACKENDS, BATCHINGS, make_batch, step,  # noqa: E402
-                                   training_model)
+from eval.train_throughput import (BACKENDS, BATCHINGS, LONG_BATCHINGS,  # noqa: E402
+                                   make_batch, step, training_model)
 
 COLUMNS = ["model", "layers", "backend", "batching", "step_ms", "gpu_busy_ms",
            "attention_gpu_ms", "other_gpu_ms", "gpu_idle_ms", "kernels", "host_attention_ms",
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=None, choices=list(SHAPES),
                         help="default: llama3-8b on a GPU, tiny-llama on a CPU")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batchings", nargs="+", default=["packed-16k"], choices=BATCHINGS)
+    parser.add_argument("--batchings", nargs="+", default=["packed-16k"],
+                        choices=BATCHINGS + LONG_BATCHINGS)
     parser.add_argument("--backends", nargs="+", default=None,
                         choices=[b for b in BACKENDS if b != "eager"],
                         help="default: tiled and flex_attention on a GPU, tiled and sdpa on a "

@@ -17,7 +17,8 @@ Batchings: ``unpadded-8k`` / ``unpadded-16k`` (B=1), ``padded-4k`` (B=4, rows ri
 quarter to a half), ``packed-16k`` (one 16k-token row of documents of 256-4096 tokens, made by
 transformers' DataCollatorWithFlattening: position ids restart per document; no cache, so
 transformers masks the documents for sdpa, flex and eager, and tiled reads them from the
-position ids). An out-of-memory step is recorded as ``oom``.
+position ids); ``packed-32k``, the same at 32k tokens, only when named. An out-of-memory step
+is recorded as ``oom``.
 
 ``--bias alibi``: a learnable-bias model, the same shape with trainable ALiBi slopes (fp32, one
 per query head and layer, in the optimizer) added to its causal scores, unpadded batchings
@@ -48,6 +49,8 @@ from eval.models import build_config, model_device  # noqa: E402
 BACKENDS = ["tiled", "sdpa", "flex_attention", "eager"]
 BIAS_BACKENDS = ["tiled", "sdpa", "flex_attention"]  # --bias alibi
 BATCHINGS = ["unpadded-8k", "unpadded-16k", "padded-4k", "packed-16k"]
+# Run when named: a 32k packed row (about twice the 16k row's peak memory: past an H100's).
+LONG_BATCHINGS = ["packed-32k"]
 COLUMNS = ["model", "layers", "backend", "batching", "batch", "seq", "tokens_per_s", "ms",
            "peak_gib", "loss_first", "loss_last", "status", "reason"]
 # Eager attention materialises (B, H, S, S) scores per layer: only up to this many per row.
@@ -185,7 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=None, help="eval/models.py shape (default: "
                         "llama3-8b on a GPU, tiny-llama on a CPU)")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batchings", nargs="+", default=BATCHINGS, choices=BATCHINGS)
+    parser.add_argument("--batchings", nargs="+", default=BATCHINGS,
+                        choices=BATCHINGS + LONG_BATCHINGS)
     parser.add_argument("--backends", nargs="+", default=None, choices=BACKENDS)
     parser.add_argument("--reps", type=int, default=3, help="timed steps per backend")
     parser.add_argument("--bias", choices=["none", "alibi"], default="none",

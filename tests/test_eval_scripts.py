@@ -674,6 +674,21 @@ def test_train_throughput_cpu(tmp_path):
     assert tiled.keys() == sdpa.keys() and all(abs(tiled[k] - sdpa[k]) < 1e-2 for k in tiled)
 
 
+def test_train_throughput_long_packed_row_only_when_named():
+    """packed-32k: one row of twice packed-16k's tokens, documents restarting their positions;
+    not in the default run (its peak memory is past an H100's)."""
+    from eval import train_throughput
+    assert "packed-32k" not in train_throughput.BATCHINGS
+    batch = train_throughput.make_batch("packed-32k", 1000, "cpu", scale=64)
+    positions = batch["position_ids"][0]
+    assert batch["input_ids"].shape == (1, 512) and positions.shape == (512,)
+    starts = (positions == 0).nonzero().flatten().tolist()
+    assert starts[0] == 0 and len(starts) > 1
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [512])]
+    assert all(4 <= n <= 64 for n in lengths[:-1]) and 0 < lengths[-1] <= 64
+    assert train_throughput.batching_label("packed-32k", 64) == "packed-512"
+
+
 def test_train_throughput_learnable_bias_cpu(tmp_path):
     """--bias alibi: every layer's slopes train, and tiled and sdpa (a dense additive mask)
     give the same loss and the same gradients, the slopes' included, from the same weights."""
