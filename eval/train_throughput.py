@@ -49,7 +49,7 @@ from eval.models import build_config, model_device  # noqa: E402
 BACKENDS = ["tiled", "sdpa", "flex_attention", "eager"]
 BIAS_BACKENDS = ["tiled", "sdpa", "flex_attention"]  # --bias alibi
 BATCHINGS = ["unpadded-8k", "unpadded-16k", "padded-4k", "packed-16k"]
-# Run when named: a 32k packed row (about twice the 16k row's peak memory: past an H100's).
+# Run when named: a 32k packed row (expected about twice the 16k row's peak, 64 GiB on the H200).
 LONG_BATCHINGS = ["packed-32k"]
 COLUMNS = ["model", "layers", "backend", "batching", "batch", "seq", "tokens_per_s", "ms",
            "peak_gib", "loss_first", "loss_last", "status", "reason"]
