@@ -14,8 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["document_bounds", "documents_from_cu_seq_lens", "documents_from_positions",
-           "key_documents", "same_document", "same_document_dense"]
+__all__ = ["document_bounds", "documents_from_cu_seq_lens",
+           "documents_from_positions", "key_documents", "same_document", "same_document_dense",
+           "same_document_key"]
 
 # A key's id that no query's equals (queries in no document have -1).
 _UNSEEN = -2
@@ -62,6 +63,17 @@ def same_document(query_ids: torch.Tensor, key_ids: torch.Tensor,
         def same_document(b, h, q_idx, kv_idx):
             return query_ids[b, q_idx + offsets[0]] == key_ids[b, kv_idx + offsets[1]]
     return same_document
+
+
+@torch.compiler.assume_constant_result
+def same_document_key() -> str:
+    """The generated key of :func:`same_document` without offsets (translated once, outside any
+    trace): a call's mods with this key are that rule on their two captures, the query ids and
+    the key ids. (Two tensors: the translation gives one tensor captured twice one slot, and
+    the key ids would then never be read.)"""
+    from .mods import compile_mods
+    query_ids, key_ids = torch.zeros((2, 1, 1), dtype=torch.int32)
+    return compile_mods(None, same_document(query_ids, key_ids)).key
 
 
 def same_document_dense(ids: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from . import value_head_dim
 from .checks import check_inputs
-from .documents import key_documents, same_document, same_document_dense
+from .documents import key_documents, same_document, same_document_dense, same_document_key
 from .fp8_cache import is_fp8_rows
 from .fp8_cache_attention import attend_cache_rows
 from .layer_call import LayerCall, active_owner, read_call, route_for
@@ -287,7 +287,7 @@ def _document_mods(ids: torch.Tensor, mask, overlay: Optional[Callable]
     key_ids = key_documents(ids, key_padding)
     query_ids, key_ids = ids.expand(key_ids.shape[0], -1).contiguous(), key_ids.contiguous()
     if overlay is None:
-        return mods_from_key(_same_document_key(), (query_ids, key_ids))
+        return mods_from_key(same_document_key(), (query_ids, key_ids))
     return compile_mods(None, and_masks(overlay, same_document(query_ids, key_ids)))
 
 
@@ -297,13 +297,6 @@ def _dense_documents(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask & same
     return mask.masked_fill(~same, float("-inf"))
-
-
-@torch.compiler.assume_constant_result
-def _same_document_key() -> str:
-    """The generated key of the same-document rule (translated once, outside any trace)."""
-    ids = torch.zeros((1, 1), dtype=torch.int32)
-    return compile_mods(None, same_document(ids, ids)).key
 
 
 def _compact_for_layer(mask: torch.Tensor, memo: Optional[dict], device: torch.device,

@@ -105,3 +105,25 @@ def test_unequal_cu_seq_lens_are_an_error(cu_k):
     with pytest.raises(ValueError, match="equal boundaries"), torch.no_grad():
         tiled(ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32),
               max_length_q=max(LENGTHS), max_length_k=max(LENGTHS), use_cache=False)
+
+
+def test_padding_inside_a_packed_document_hides_that_key():
+    """cu_seq_lens with an attention_mask that hides a key inside a document: the key ids
+    carry the padding (documents.key_documents), so a later query of that document does not see
+    it, as in the document run alone with the same mask. (The pre-translated rule once read the
+    query ids for the keys as well, and the key stayed visible.)"""
+    tiled = build("llama", "tiled")
+    docs = _docs(11)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
+    hidden = LENGTHS[0] + 3  # the fourth token of the second document
+    mask = torch.ones_like(ids)
+    mask[0, hidden] = 0
+    with torch.no_grad():
+        packed = tiled(ids, attention_mask=mask, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(LENGTHS), max_length_k=max(LENGTHS),
+                       use_cache=False).logits[0]
+        alone = [tiled(d[None], attention_mask=m[None], use_cache=False).logits[0]
+                 for d, m in zip(docs, mask[0].split(LENGTHS))]
+    later = slice(hidden + 1, LENGTHS[0] + LENGTHS[1])  # the document's queries after the key
+    torch.testing.assert_close(packed[later], torch.cat(alone)[later], atol=1e-4, rtol=0)
