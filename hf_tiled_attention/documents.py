@@ -10,11 +10,13 @@ added by context parallelism): it sees nothing and nothing sees it.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["document_bounds", "documents_from_cu_seq_lens",
+__all__ = ["document_bounds", "document_cells", "documents_from_cu_seq_lens",
            "documents_from_positions", "key_documents", "same_document", "same_document_dense",
            "same_document_key"]
 
@@ -74,6 +76,32 @@ def same_document_key() -> str:
     from .mods import compile_mods
     query_ids, key_ids = torch.zeros((2, 1, 1), dtype=torch.int32)
     return compile_mods(None, same_document(query_ids, key_ids)).key
+
+
+def document_cells(query_ids: torch.Tensor, key_ids: torch.Tensor, rows_per: int,
+                   keys_per: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any visible, all visible) of :func:`same_document` per cell of ``rows_per`` queries x
+    ``keys_per`` keys, bool ``(B, 1, cells down, cells across)``, from each cell's smallest and
+    largest id of a document (``query_ids`` ``(B, Sq)``, ``key_ids`` ``(B, Skv)``; ids below 0
+    see nothing and are seen by nothing): O(Sq + Skv + cells) instead of evaluating the rule
+    on every (query, key). All is visible only where every query and key of the cell has one
+    id; none where their ranges of ids do not meet; otherwise the cell counts as partly
+    visible, which is exact for packed rows (ids rising by one at each new document) and safe
+    for any ids (the kernel then evaluates the rule in that tile). A cell past the ends is
+    padded with the last row's or key's id, as a tile's padding counts."""
+    def bounds(ids: torch.Tensor, per: int) -> tuple:
+        padded = F.pad(ids[:, None].float(), (0, -ids.shape[1] % per), mode="replicate")
+        cells = padded[:, 0].view(ids.shape[0], -1, per)
+        inside = cells >= 0
+        low = torch.where(inside, cells, math.inf).amin(dim=2)   # inf: no document in the cell
+        high = torch.where(inside, cells, -math.inf).amax(dim=2)
+        return low, high, inside.all(dim=2) & (low == high)
+
+    q_low, q_high, q_one = bounds(query_ids, rows_per)
+    k_low, k_high, k_one = bounds(key_ids, keys_per)
+    meet = (q_low[:, :, None] <= k_high[:, None, :]) & (k_low[:, None, :] <= q_high[:, :, None])
+    one = q_one[:, :, None] & k_one[:, None, :] & (q_low[:, :, None] == k_low[:, None, :])
+    return meet[:, None], one[:, None]
 
 
 def same_document_dense(ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .documents import document_cells, same_document_key
 from .kernel_params import (ADDITIVE_MASK, BOOL_MASK, MASK_MOD, NO_MASK, TILE_EMPTY, TILE_FULL,
                             TILE_PARTIAL)
 from .memo import Memo, register as memo_register
@@ -277,7 +278,12 @@ class ModMask:
 
     def cells(self, rows_per: int, keys_per: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(any visible, all visible) per cell of ``rows_per`` x ``keys_per``, bool ``(B or 1,
-        H or 1, cells down, cells across)``, from the mask_mod on every element."""
+        H or 1, cells down, cells across)``, from the mask_mod on every element (packed
+        documents' rule, from its ids' bounds per cell: documents.document_cells)."""
+        if self.mods.key == same_document_key():
+            query_ids, key_ids = self.mods.captures
+            return document_cells(query_ids[:, :self.seq_q], key_ids[:, :self.seq_kv],
+                                  rows_per, keys_per)
         n_m, n_n = -(-self.seq_q // rows_per), -(-self.seq_kv // keys_per)
         cols = torch.arange(n_n * keys_per, device=self.device)
         cells_per_chunk = max(1, MOD_TABLE_CHUNK // (rows_per * n_n * keys_per))

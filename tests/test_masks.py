@@ -125,6 +125,33 @@ def test_mask_mod_table_equals_the_dense_masks(tile_m, tile_n):
     assert torch.equal(table.ranges, tile_ranges(table.states))
 
 
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 64), (16, 32), (32, 32), (48, 80)])
+def test_packed_documents_table_from_id_bounds(tile_m, tile_n, monkeypatch):
+    """The same-document rule's table comes from each tile's smallest and largest ids
+    (documents.document_cells), never from the rule on every (query, key), and equals the dense
+    rule's table for packed rows: per batch row, with queries in no document (-1), keys hidden
+    by padding, and more keys than queries."""
+    from hf_tiled_attention import masks
+    from hf_tiled_attention.documents import key_documents, same_document, same_document_key
+    from hf_tiled_attention.mods import mods_from_key
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(5), torch.randint(
+        1, 150, (5,), generator=gen))[:300] for _ in range(2)]).to(torch.int32)
+    ids[1, 280:] = -1                      # past the last document
+    padding = torch.rand(2, 300, generator=gen) > 0.2
+    query_ids, key_ids = ids[:, 100:].contiguous(), key_documents(ids, padding)
+    mods = mods_from_key(same_document_key(), (query_ids, key_ids))
+    monkeypatch.setattr(masks.ModMask, "evaluate", lambda self, rows, cols: pytest.fail(
+        "the document rule was evaluated per element") if len(rows) > 2 else
+        masks.index_grid(self.batch, (1,), rows, cols)[0].expand(-1, 1, len(rows), len(cols)) > 0)
+    table = mod_mask(mods, 2, 3, 200, 300, torch.device("cpu"), keep=False).block_table(
+        tile_m, tile_n, keep=False)
+    b, h, q, kv = index_grid(2, (1,), torch.arange(200), torch.arange(300))
+    dense = compact_mask(same_document(query_ids, key_ids)(b, h, q, kv), 2, 1, 200, 300)
+    assert torch.equal(table.states, tile_states(dense, tile_m, tile_n))
+
+
 def test_mask_mod_is_evaluated_once_for_every_table_of_whole_cells(monkeypatch):
     """The tables of a training step (forward, dK/dV, dQ tiles: multiples of MOD_CELL) pool
     one evaluation of the mod into cells; a tile that is not a multiple evaluates it again."""
