@@ -102,6 +102,18 @@ def test_new_closures_of_one_structure_are_not_translated_again(monkeypatch):
     assert torch.equal(apart.mask_mod(0, 0, q_idx, kv_idx), ids[:, None] == other[None, :])
 
 
+def test_mods_from_key_refuses_a_capture_count_its_code_does_not_read():
+    """A key translated from one tensor passed twice has one slot: handing it two tensors (the
+    query and the key ids of a document rule) would read the first for both, so it is refused."""
+    from hf_tiled_attention.mods import mods_from_key
+
+    ids = torch.zeros(1, 4, dtype=torch.int32)
+    one_slot = compile_mods(None, lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx])
+    assert len(mods_from_key(one_slot.key, (ids,)).captures) == 1
+    with pytest.raises(ValueError, match="read 1 captured tensors, got 2"):
+        mods_from_key(one_slot.key, (ids, ids.clone()))
+
+
 def test_translation_memo_is_bounded():
     """Each forward of the transformers adapter makes new closures (holding its tensors): the
     memo of translations must not keep them all."""
