@@ -7,7 +7,9 @@ The mask function is translated by the same translator as a user's mask_mod (mod
 structure (an intersection of rules, :func:`mods.conjuncts`) tells which parts are transformers'
 causal / sliding-window / bidirectional rule, recognised by comparing their translations with
 those of transformers' own public rule functions. Those parts become the kernel's causal /
-window flags and the padding a ``(B, 1, 1, Skv)`` key vector; the rest (packed rows, Llama 4
+window flags and the padding a ``(B, 1, 1, Skv)`` key vector; transformers' packed-rows overlay
+becomes the documents rule of documents.py (its table from the ids' bounds per tile; on 5.19+
+the rule remapped to per-document positions is the plain rule there); the rest (Llama 4
 chunks, Gemma 3's image blocks, any user pattern), with the padding and the cache offsets
 folded in, becomes one mask_mod. Never an ``O(Sq x Skv)`` tensor, except
 
@@ -23,6 +25,7 @@ folded in, becomes one mask_mod. Never an ``O(Sq x Skv)`` tensor, except
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -30,8 +33,10 @@ from typing import Callable, Optional
 
 import torch
 
+from .documents import key_documents, same_document, same_document_key
 from .memo import Memo, memoize
-from .mods import CompiledMods, ModError, compile_mods, conjuncts, follow, structure
+from .mods import (CompiledMods, ModError, compile_mods, conjuncts, follow, mods_from_key,
+                   structure)
 from .schedule import DECODE_QUERY_ROWS
 from .variants import and_masks
 
@@ -136,7 +141,12 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         return TiledMask(False, None, 0, dense=dense(), shape=shape)
     pad = _padding(attention_mask, batch_size, kv_length, kv_offset, device)
     mask = TiledMask(causal, window, _as_int(q_offset) - kv_offset, shape=shape)
-    if overlays:  # one mask_mod: the overlays at absolute positions, and the padding
+    documents = overlays and _packed_documents(overlays, pad, q_offset, kv_offset, q_length,
+                                               kv_length)
+    if documents:  # packed rows: the documents rule, on its two id vectors
+        mask.overlay = same_document(*documents)
+        mask.mods = mods_from_key(same_document_key(), documents)
+    elif overlays:  # one mask_mod: the overlays at absolute positions, and the padding
         mask.overlay = _at_positions(functools.reduce(and_masks, overlays), q_offset, kv_offset,
                                      device)
         mask.mods = compile_mods(None, _with_padding(mask.overlay, pad))
@@ -174,6 +184,9 @@ def _analyse(mask_function) -> tuple[bool, Optional[int], tuple]:
     texts = {text for _, text in parts}
     causal = templates["causal"] in texts
     if not (causal or templates["bidirectional"] in texts):
+        remapped = _remapped_packed_rows(mask_function, parts)
+        if remapped is not None:
+            return remapped
         return False, None, ((),)  # no rule of the kernel's: the whole pattern
     # The window that goes with the base: kv > q - W (causal), |q - kv| <= W (both ways).
     window_template = templates["sliding" if causal else "both_ways"]
@@ -189,6 +202,60 @@ def _analyse(mask_function) -> tuple[bool, Optional[int], tuple]:
     return causal, window, tuple(overlays)
 
 
+def _remapped_packed_rows(mask_function, parts: list) -> Optional[tuple]:
+    """transformers 5.19+ on packed rows: ``rule`` at per-document positions (its
+    ``remap_positions_for_packed_sequence``) and the same-document overlay. Where ``rule`` is
+    the kernel's (causal, window, both ways: functions of ``q - kv`` alone) and its positions
+    rise by one inside each document (they do: that is how transformers finds the documents),
+    the remap changes nothing, so the analysis is ``rule``'s with the overlay; else None."""
+    if len(parts) != 2:
+        return None
+    functions = [follow(mask_function, path) for path, _ in parts]
+    packed = [_is_packed_rule(fn) for fn in functions]
+    if sorted(packed) != [False, True]:
+        return None
+    remap = functions[packed.index(False)]
+    if getattr(remap, "__qualname__", "") != "remap_positions_for_packed_sequence.<locals>." \
+            "inner_mask" or getattr(remap, "__module__", "") != "transformers.masking_utils":
+        return None
+    rule = inspect.getclosurevars(remap).nonlocals.get("mask_function")
+    causal, window, overlays = _analyse(rule) if callable(rule) else (False, None, ((),))
+    if overlays:
+        return None
+    return causal, window, (parts[packed.index(True)][0],)
+
+
+def _is_packed_rule(fn) -> bool:
+    """Whether ``fn`` is transformers' same-document rule of packed rows
+    (``packed_sequence_mask_function``), by its translation; memoised per structure."""
+    key = structure(fn)
+    found = _packed_rules.get(key)
+    if found is None:
+        found = [text for _, text in conjuncts(fn)] == [_rule_templates()["packed"]]
+        _packed_rules.put(key, found)
+    return found
+
+
+_packed_rules = Memo("packed-rows rules", 64)
+
+
+def _packed_documents(overlays: list, pad, q_offset, kv_offset: int, q_length: int,
+                      kv_length: int) -> Optional[tuple]:
+    """``(query ids, key ids)`` int32 ``(B, S)`` where the one overlay is transformers'
+    same-document rule of packed rows (found without a cache or padding, so at offset 0 over
+    as many keys as queries): the adapter's own documents rule then stands in for it, whose
+    block table comes from each tile's id bounds instead of every (query, key)
+    (documents.document_cells)."""
+    if len(overlays) != 1 or pad is not None or _as_int(q_offset) or kv_offset or \
+            q_length != kv_length or not _is_packed_rule(overlays[0]):
+        return None
+    ids, = compile_mods(None, overlays[0]).captures
+    if ids.dim() != 2 or ids.shape[1] != q_length:
+        return None
+    ids = ids.to(torch.int32)
+    return ids, key_documents(ids)
+
+
 @memoize(1)
 def _rule_templates() -> dict:
     """The canonical translations of transformers' public rule functions; a window size is a
@@ -202,7 +269,8 @@ def _rule_templates() -> dict:
     return {"causal": text(mu.causal_mask_function),
             "bidirectional": text(mu.bidirectional_mask_function),
             "sliding": text(mu.sliding_window_overlay(_PLACEHOLDER)),
-            "both_ways": text(mu.sliding_window_bidirectional_overlay(_PLACEHOLDER))}
+            "both_ways": text(mu.sliding_window_bidirectional_overlay(_PLACEHOLDER)),
+            "packed": text(mu.packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)))}
 
 
 _PLACEHOLDER = 987654321

@@ -127,3 +127,37 @@ def test_padding_inside_a_packed_document_hides_that_key():
                  for d, m in zip(docs, mask[0].split(LENGTHS))]
     later = slice(hidden + 1, LENGTHS[0] + LENGTHS[1])  # the document's queries after the key
     torch.testing.assert_close(packed[later], torch.cat(alone)[later], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name, window", [("llama", None), ("mistral", 6)])
+def test_transformers_packed_rows_become_the_documents_rule(name, window, monkeypatch):
+    """Restarting position_ids without a cache: transformers (5.17 and 5.19+, which also
+    remaps its rule to per-document positions) hands the mask function its same-document
+    overlay; the op gets the kernel's causal / window flags and the adapter's documents rule,
+    whose block table comes from each tile's id bounds (never the rule on every pair)."""
+    from hf_tiled_attention import masks, op
+    from hf_tiled_attention.documents import same_document_key
+
+    seen = []
+    real = op.attention
+
+    def spy(query, key, value, mask=None, **kwargs):
+        seen.append(kwargs)
+        return real(query, key, value, mask, **kwargs)
+
+    from hf_tiled_attention import transformers_backend
+    monkeypatch.setattr(transformers_backend, "_op_attention", spy)
+    monkeypatch.setattr(masks.ModMask, "evaluate", lambda self, rows, cols: pytest.fail(
+        "the document rule was evaluated per element") if len(rows) > 2 else
+        masks.index_grid(self.batch, (1,), rows, cols)[0].expand(-1, 1, len(rows), len(cols)) > 0)
+    tiled = build(name, "tiled")
+    docs = _docs(12)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    with torch.no_grad():
+        packed = tiled(ids, position_ids=pos, use_cache=False).logits[0]
+    assert len(seen) == 2  # two layers
+    for kwargs in seen:
+        assert kwargs["causal"] and kwargs["window"] == window
+        assert kwargs["mods"].key == same_document_key()
+    torch.testing.assert_close(packed, _separate_logits(tiled, docs), atol=1e-4, rtol=0)
