@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .memo import memoize
+
 __all__ = ["document_bounds", "document_cells", "documents_from_cu_seq_lens",
            "documents_from_positions", "key_documents", "same_document", "same_document_dense",
            "same_document_key"]
@@ -68,11 +70,13 @@ def same_document(query_ids: torch.Tensor, key_ids: torch.Tensor,
 
 
 @torch.compiler.assume_constant_result
+@memoize(1)
 def same_document_key() -> str:
     """The generated key of :func:`same_document` without offsets (translated once, outside any
-    trace): a call's mods with this key are that rule on their two captures, the query ids and
-    the key ids. (Two tensors: the translation gives one tensor captured twice one slot, and
-    the key ids would then never be read.)"""
+    trace, and kept: the mask function, the adapter and every block table ask for it): a
+    call's mods with this key are that rule on their two captures, the query ids and the key
+    ids. (Two tensors: the translation gives one tensor captured twice one slot, and the key
+    ids would then never be read.)"""
     from .mods import compile_mods
     query_ids, key_ids = torch.zeros((2, 1, 1), dtype=torch.int32)
     return compile_mods(None, same_document(query_ids, key_ids)).key
