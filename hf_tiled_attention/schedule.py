@@ -488,6 +488,13 @@ VARLEN_PREFETCH_SLOT = True
 VARLEN_DECODE_OCCUPANCY = 2
 VARLEN_DECODE_OCCUPANCY_MAX_D = 128
 
+# Worker warps for the varlen kernel's prefill-shaped tiles (128 x 64, a prompt chunk in a
+# serving step). Left to the compiler they run one warpgroup and spill 264-1800 B at D=128; with
+# two warpgroups (as the forward's 128-row tiles run) 16-640 B, and chunks of 128-2048 queries
+# over 4k-16k keys ran 1.34-1.59x faster through the cache's slots and 2.08-2.09x over packed
+# keys (183-224 -> 246-467 TF/s; H200, graph replay, perf-notes step 64).
+VARLEN_PREFILL_WORKER_WARPS = 8
+
 
 def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's

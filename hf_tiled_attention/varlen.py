@@ -181,11 +181,14 @@ def _kernel(arrays: tuple, constants: list, decoding: bool):
     """The attention kernel's entry for a launch: 64-bit addresses for the cache, or where an
     array holds 2**31 elements or more (a long packed batch); else 32-bit (faster). Decode-
     shaped tiles that stream keys (packed, or whole blocks of the cache) take the entries with
-    schedule.VARLEN_DECODE_OCCUPANCY blocks per SM, up to VARLEN_DECODE_OCCUPANCY_MAX_D."""
+    schedule.VARLEN_DECODE_OCCUPANCY blocks per SM, up to VARLEN_DECODE_OCCUPANCY_MAX_D;
+    prefill-shaped tiles the entries with schedule.VARLEN_PREFILL_WORKER_WARPS."""
     from . import varlen_kernel as K
     wide = constants[K.PAGED] or any(a.numel() >= 2 ** 31 for a in arrays)
     streams = constants[K.BLOCKS] or not constants[K.PAGED]
-    if decoding and streams and constants[K.TILE_D] <= VARLEN_DECODE_OCCUPANCY_MAX_D:
+    if not decoding:
+        return K.varlen_prefill_paged_kernel if wide else K.varlen_prefill_kernel
+    if streams and constants[K.TILE_D] <= VARLEN_DECODE_OCCUPANCY_MAX_D:
         return K.varlen_decode_paged_kernel if wide else K.varlen_decode_kernel
     return K.varlen_forward_paged_kernel if wide else K.varlen_forward_kernel
 

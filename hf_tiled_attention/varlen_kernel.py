@@ -28,7 +28,7 @@ from typing import Annotated
 import cuda.tile as ct
 
 from .kernel_params import LOG2E
-from .schedule import VARLEN_DECODE_OCCUPANCY
+from .schedule import VARLEN_DECODE_OCCUPANCY, VARLEN_PREFILL_WORKER_WARPS
 from .tile_rows import mma
 from .visibility import visible
 
@@ -88,6 +88,11 @@ varlen_forward_paged_kernel = ct.kernel(varlen_forward_paged)
 varlen_decode_kernel = varlen_forward_kernel.replace_hints(occupancy=VARLEN_DECODE_OCCUPANCY)
 varlen_decode_paged_kernel = varlen_forward_paged_kernel.replace_hints(
     occupancy=VARLEN_DECODE_OCCUPANCY)
+# And for prefill-shaped tiles: schedule.VARLEN_PREFILL_WORKER_WARPS.
+varlen_prefill_kernel = varlen_forward_kernel.replace_hints(
+    num_worker_warps=VARLEN_PREFILL_WORKER_WARPS)
+varlen_prefill_paged_kernel = varlen_forward_paged_kernel.replace_hints(
+    num_worker_warps=VARLEN_PREFILL_WORKER_WARPS)
 
 
 def _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_out, window,

@@ -205,8 +205,8 @@ def test_launch_arrays_view_storage_that_reaches_16_rows():
 def test_each_launch_takes_its_entry():
     """64-bit addresses for the cache and for arrays of 2**31 elements; decode tiles that stream
     keys (packed, or the cache's whole blocks) with VARLEN_DECODE_OCCUPANCY blocks per SM up
-    to VARLEN_DECODE_OCCUPANCY_MAX_D; the row-gathering launch, prefill tiles and wider heads
-    with the compiler's choice."""
+    to VARLEN_DECODE_OCCUPANCY_MAX_D; prefill tiles with VARLEN_PREFILL_WORKER_WARPS; the
+    decode row gathers and wider decode heads with the compiler's choice."""
     from hf_tiled_attention import varlen_kernel as K
 
     def kernels(**kwargs):
@@ -220,7 +220,10 @@ def test_each_launch_takes_its_entry():
                          K.varlen_forward_paged_kernel]
     assert kernels(head_dim=256)[1:] == [K.varlen_forward_paged_kernel] * 2
     # a prefill chunk beside decode steps: decode tiles, then prefill tiles
-    assert kernels(max_q=300, paged=False) == [K.varlen_decode_kernel, K.varlen_forward_kernel]
+    assert kernels(max_q=300, paged=False) == [K.varlen_decode_kernel, K.varlen_prefill_kernel]
+    assert kernels(max_q=300, paged=False, head_dim=256)[1:] == [K.varlen_prefill_kernel]
+    assert kernels(max_q=300)[3:] == [K.whole_tile_requests_kernel] + \
+        [K.varlen_prefill_paged_kernel] * 2
 
 
 # ---------------------------------------------------------------------------------------------
