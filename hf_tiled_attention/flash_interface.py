@@ -78,6 +78,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache and v_cache must be (pages, page, Hkv, D) of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass the new tokens' k and v together (got "
+                         f"k {'None' if k is None else tuple(k.shape)}, "
+                         f"v {'None' if v is None else tuple(v.shape)})")
+    if k is not None and (k.shape != v.shape or k.shape[0] != q.shape[0] or k.dim() != 4):
+        raise ValueError("flash_attn_with_kvcache: k and v must be (B, Sn, Hkv, D) of one shape "
+                         f"with q's B = {q.shape[0]}, got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, queries = q.shape[:2]
     if not causal and queries > 1:
         raise ValueError("flash_attn_with_kvcache on the tiled kernels is causal only (causal="

@@ -317,6 +317,9 @@ def test_flash_kvcache_interface_ignores_padding_rows():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_table=None), r"reads a paged cache: pass block_table"),
     (dict(causal=False), r"causal only \(causal=False with 2 queries"),
+    (dict(k=torch.zeros(1, 1, 2, 16)), r"k and v together \(got k \(1, 1, 2, 16\), v None"),
+    (dict(k=torch.zeros(1, 1, 2, 16), v=torch.zeros(1, 2, 2, 16)),
+     r"k and v must be \(B, Sn, Hkv, D\) of one shape"),
 ])
 def test_flash_kvcache_interface_refuses_what_it_does_not_compute(kwargs, message):
     from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
