@@ -82,9 +82,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("flash_attn_with_kvcache: pass the new tokens' k and v together (got "
                          f"k {'None' if k is None else tuple(k.shape)}, "
                          f"v {'None' if v is None else tuple(v.shape)})")
-    if k is not None and (k.shape != v.shape or k.shape[0] != q.shape[0] or k.dim() != 4):
+    if k is not None and (k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0]
+                          or k.shape[2:] != k_cache.shape[2:]):
         raise ValueError("flash_attn_with_kvcache: k and v must be (B, Sn, Hkv, D) of one shape "
-                         f"with q's B = {q.shape[0]}, got {tuple(k.shape)} and {tuple(v.shape)}")
+                         f"with q's B = {q.shape[0]} and the cache's (Hkv, D) = "
+                         f"{tuple(k_cache.shape[2:])}, got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, queries = q.shape[:2]
     if not causal and queries > 1:
         raise ValueError("flash_attn_with_kvcache on the tiled kernels is causal only (causal="

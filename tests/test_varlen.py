@@ -320,6 +320,8 @@ def test_flash_kvcache_interface_ignores_padding_rows():
     (dict(k=torch.zeros(1, 1, 2, 16)), r"k and v together \(got k \(1, 1, 2, 16\), v None"),
     (dict(k=torch.zeros(1, 1, 2, 16), v=torch.zeros(1, 2, 2, 16)),
      r"k and v must be \(B, Sn, Hkv, D\) of one shape"),
+    (dict(k=torch.zeros(1, 1, 4, 16), v=torch.zeros(1, 1, 4, 16)),
+     r"the cache's \(Hkv, D\) = \(2, 16\), got \(1, 1, 4, 16\)"),
 ])
 def test_flash_kvcache_interface_refuses_what_it_does_not_compute(kwargs, message):
     from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
