@@ -11,6 +11,10 @@ over the cache as transformers' allocator leaves them. Modes:
 
 * ``paged``: ``varlen_attention`` reading the cache through the slot list (what "paged|tiled"
   runs);
+* ``paged-pages``: the same told the slots are whole pages (``key_pages``: what
+  ``flash_attn_with_kvcache`` says of a block table's rows, transformers 5.19+'s route): one
+  launch of block loads, no marking launch and no row-gathering one (where ``--keys`` is a
+  multiple of ``--page``, so each request starts on a page);
 * ``gathered``: the same kernel on K/V already gathered into request order (no page lookups);
 * ``gather+kernel``: ``index_select`` of K and V first, then ``gathered`` (what a step costs
   when the cache hands attention a gathered copy, as transformers' other paged backends do).
@@ -46,7 +50,7 @@ from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa
 COLUMNS = ["requests", "queries", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode",
            "kv_mb", "ms", "read_tbps", "tflops", "copy_tbps", "vs_copy", "graph_ms",
            "graph_read_tbps", "graph_vs_copy", "max_err_vs_gathered"]
-MODES = ["paged", "gathered", "gather+kernel"]
+MODES = ["paged", "paged-pages", "gathered", "gather+kernel"]
 
 
 def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim: int,
@@ -118,12 +122,17 @@ def main(argv=None) -> int:
         calls = {
             "paged": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
                                               key_slots=slots, out=out),
+            "paged-pages": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
+                                                    key_slots=slots, key_pages=args.page,
+                                                    out=out),
             "gathered": lambda: varlen_attention(q, k_flat, v_flat, cu_q, cu_k, queries,
                                                  out=out),
             "gather+kernel": lambda: varlen_attention(
                 q, cache_k.index_select(0, slots), cache_v.index_select(0, slots), cu_q,
                 cu_k, queries, out=out),
         }
+        if keys % args.page:
+            del calls["paged-pages"]
         reference = calls["gathered"]().clone()
         for mode, call in calls.items():
             err = (call().float() - reference.float()).abs().max().item()

@@ -119,7 +119,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = varlen.varlen_attention(
         q.flatten(0, 1), k_slots, v_slots, cu_q.to(torch.int32), cu_k.to(torch.int32), queries,
         scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
-        sinks=s_aux, key_slots=slots)
+        sinks=s_aux, key_slots=slots, key_pages=page)
     return out.unflatten(0, (batch, queries))
 
 

@@ -36,6 +36,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      window: Optional[int] = None, softcap: Optional[float] = None,
                      sinks: Optional[torch.Tensor] = None,
                      key_slots: Optional[torch.Tensor] = None,
+                     key_pages: Optional[int] = None,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of packed requests; returns ``(Tq, Hq, D)`` in the query's dtype.
 
@@ -45,10 +46,17 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``max_seqlen_q``: at least the longest request's query count (rows past it are not
     computed). ``window``: each query sees the ``window`` keys ending at its own; ``softcap``:
     ``softcap * tanh(score / softcap)``; ``sinks`` ``(Hq,)``: a learned logit per head in each
-    softmax. Rows of ``out`` past ``cu_seqlens_q[-1]`` are left as they are (zeros when the
-    call allocates it)."""
+    softmax. ``key_pages`` (with ``key_slots``): the caller's word that the slots are pages of
+    that many: each request's keys start at a multiple of it in ``key_slots``, and each run of
+    that many keys from there lies in consecutive slots from a multiple of it (a block table's
+    rows expanded, as flash_attn_with_kvcache makes them); key tiles that divide it are then all
+    read by block loads in one launch, with no launch that marks such requests on the device.
+    Checked on the reference path (requests with queries); a broken word on the GPU reads
+    wrong keys. Rows of ``out``
+    past ``cu_seqlens_q[-1]`` are left as they are (zeros when the call allocates it)."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
+    _check_key_pages(key_pages, key_slots)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (query, key, value, sinks)):
         raise ValueError("varlen_attention has no backward (it serves inference); for training "
@@ -65,12 +73,14 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             padded = _rows_of_16(out, may_view=False)
             written = padded[:out.shape[0]]
         _launch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
-                softcap, sinks, key_slots, padded)
+                softcap, sinks, key_slots, padded, key_pages=key_pages)
         if written.data_ptr() != out.data_ptr():
             out.copy_(written)
     else:
         if out is None:
             out = query.new_zeros(query.shape)
+        if key_pages:
+            _require_pages(key_slots, cu_seqlens_q, cu_seqlens_k, key_pages)
         out.copy_(_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                              window, softcap, sinks, key_slots, out))
     return out
@@ -88,7 +98,7 @@ def group_tile(heads_q: int, heads_kv: int) -> int:
 
 
 def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
-             softcap, sinks, key_slots, out) -> list[tuple]:
+             softcap, sinks, key_slots, out, key_pages=None) -> list[tuple]:
     """``(kernel, grid, args)`` of the call's launches: one of decode-shaped tiles for the
     requests with a few queries (a decode step's, one position of a head group per tile), and,
     when ``max_seqlen_q`` allows longer ones, one of prefill-shaped tiles for those. Which
@@ -97,9 +107,11 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     it does not say whether a step is decode-only). From a paged cache each of those is two
     launches, after one that marks the requests whose key tiles are whole blocks of the cache
     (varlen_kernel.whole_tile_requests): one reads those by block loads, one gathers the
-    others' keys row by row."""
-    from .varlen_kernel import (BLOCKS, CONSTANTS, G_TILE, PAGED, PREFETCH, SINKS, SOFTCAP,
-                                TILE_D, TILE_M, TILE_N, WINDOWED, whole_tile_requests_kernel)
+    others' keys row by row; where ``key_pages`` says every tile is a block, one launch reads
+    them all by block loads (perf-notes step 65: the other two took 4.6-7.7% of a short step)."""
+    from .varlen_kernel import (BLOCKS, CONSTANTS, EVERY_REQUEST, G_TILE, PAGED, PREFETCH,
+                                SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N, WINDOWED,
+                                whole_tile_requests_kernel)
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
@@ -120,7 +132,8 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         if high <= low:
             continue
         tile_m, tile_n = varlen_tiles(high, g_tile)
-        if key_slots is not None and requests and tile_n not in whole:
+        every_tile_a_block = key_slots is not None and bool(key_pages) and key_pages % tile_n == 0
+        if key_slots is not None and requests and tile_n not in whole and not every_tile_a_block:
             whole[tile_n] = cu_k.new_empty(cu_k.shape[0])
             result.append((whole_tile_requests_kernel, (requests, 1, 1),
                            (slots, cu_k, whole[tile_n], (tile_n,))))
@@ -133,7 +146,9 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         constants[SINKS] = sinks is not None
         grid = (-(-high // (tile_m // g_tile)), requests, heads)
         arrays = head_rows + (slots, whole.get(tile_n, cu_k)) + tail
-        for blocks in ((True, False) if key_slots is not None else (False,)):
+        reads = (EVERY_REQUEST,) if every_tile_a_block else \
+            (True, False) if key_slots is not None else (False,)
+        for blocks in reads:
             constants[BLOCKS] = blocks
             constants[PREFETCH] = blocks and VARLEN_PREFETCH_SLOT
             result.append((_kernel(arrays, constants, decoding=low == 0), grid,
@@ -167,13 +182,13 @@ def _no_sinks(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_GROUP_TILE, dtype=torch.float32, device=device)
 
 
-def _launch(*args) -> None:
+def _launch(*args, **options) -> None:
     import cuda.tile as ct
 
     device = args[0].device
     with launch_device(device):
         stream = current_stream(device)
-        for kernel, grid, kernel_args in launches(*args):
+        for kernel, grid, kernel_args in launches(*args, **options):
             ct.launch(stream, grid, kernel, kernel_args)
 
 
@@ -193,12 +208,12 @@ def _kernel(arrays: tuple, constants: list, decoding: bool):
     return K.varlen_forward_paged_kernel if wide else K.varlen_forward_kernel
 
 
-def export_cubins(*args, arch: str) -> list[bytes]:
+def export_cubins(*args, arch: str, **options) -> list[bytes]:
     """The cubins of a call's launches with these arguments (meta tensors are fine) for
     ``arch``, built without a GPU by cuTile's exporter."""
     from .fp8 import export_kernel_cubin
     return [export_kernel_cubin(kernel, kernel_args, arch)
-            for kernel, _, kernel_args in launches(*args)]
+            for kernel, _, kernel_args in launches(*args, **options)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,3 +331,30 @@ def _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, w
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     return float(scale)
+
+
+def _check_key_pages(key_pages, key_slots) -> None:
+    if key_pages is None:
+        return
+    if not isinstance(key_pages, int) or isinstance(key_pages, bool) or key_pages < 1:
+        raise ValueError(f"key_pages must be a positive int (the cache's page size) or None, "
+                         f"got {key_pages!r}")
+    if key_slots is None:
+        raise ValueError("key_pages describes key_slots' layout: pass key_slots with it")
+
+
+def _require_pages(key_slots, cu_seqlens_q, cu_seqlens_k, key_pages: int) -> None:
+    """The reference path holds the caller to ``key_pages``' word for each request with queries
+    (one without reads nothing; the GPU path cannot look without reading the slots on the
+    host)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for request in range(len(cu_k) - 1):
+        if cu_q[request + 1] == cu_q[request]:
+            continue
+        start, slots = cu_k[request], key_slots[cu_k[request]:cu_k[request + 1]].long().cpu()
+        first = slots[::key_pages].repeat_interleave(key_pages)[:slots.numel()]
+        offset = torch.arange(slots.numel()) % key_pages
+        if start % key_pages or (first % key_pages).any() or (slots != first + offset).any():
+            raise ValueError(f"key_pages={key_pages}: request {request}'s key_slots are not "
+                             f"whole pages of {key_pages} (its keys must start at a multiple of "
+                             f"it and each run of {key_pages} fill one page in order)")

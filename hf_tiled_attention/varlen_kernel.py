@@ -14,7 +14,8 @@ is the slot holding the request's key ``j``), so a decode step reads the cache i
 gathered copy. A paged call is two launches of the kernel: one reads the requests whose key tiles
 each sit in one block of the cache (pages of whole tiles, what continuous batching's
 full-attention layers give) by block loads only, the other gathers the rest row by row; which
-request is whose was decided on the device by :func:`whole_tile_requests` (``Whole``). A key
+request is whose was decided on the device by :func:`whole_tile_requests` (``Whole``), unless
+the caller's layout makes every tile a block (one launch, ``EVERY_REQUEST``). A key
 loop with both reads in it, chosen per tile, reads at half the rate of the block loads alone
 (perf-notes step 56).
 
@@ -42,9 +43,10 @@ WINDOWED = 5   # a sliding window (the scalar ``window``)
 SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
 SINKS = 7      # a learned sink logit per query head joins each row's softmax
 BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
-               # other requests, by row gathers)
+               # other requests, by row gathers); EVERY_REQUEST: all of them by block loads
 PREFETCH = 9   # BLOCKS: tile j+1's first slot is loaded during tile j (schedule.py)
 CONSTANTS = 10  # the tuple's length
+EVERY_REQUEST = 2  # BLOCKS: the caller's layout makes every tile a block (Whole unread)
 
 
 def varlen_forward(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out,
@@ -118,8 +120,9 @@ def _request(Q, K, V, Slots, Whole, CuQ, CuK, Sinks, Out, score_scale, softcap_o
 
 def _reads_mine(Whole, request, C):
     """Whether this launch reads the request's keys: always, unless paged, where one launch
-    takes the requests whose tiles are whole blocks (BLOCKS) and the other the rest."""
-    if C[PAGED]:
+    takes the requests whose tiles are whole blocks (BLOCKS) and the other the rest, unless
+    the caller's layout makes every tile a block (BLOCKS == EVERY_REQUEST: one launch)."""
+    if C[PAGED] and C[BLOCKS] != EVERY_REQUEST:
         return ct.load(Whole, index=(request,), shape=(1,)).item() == (1 if C[BLOCKS] else 0)
     return True
 

@@ -88,6 +88,30 @@ def test_paged_reads_equal_gathered():
         torch.testing.assert_close(paged, varlen_attention(q, k, v, cu_q, cu_k, 7, window=5))
 
 
+def test_key_pages_is_a_word_the_reference_path_holds_the_caller_to():
+    """``key_pages``: each request (with queries) starts at a multiple of the page in
+    ``key_slots`` and fills whole pages in order; the reference path refuses slots that do not,
+    and gives the plain paged result on slots that do."""
+    q, k, v, cu_q, _ = packed_case((1, 2), (8, 5), 4, 2)
+    cu_k = torch.tensor([0, 8, 13], dtype=torch.int32)     # the second request starts at 8
+    pages = torch.tensor([5, 2])                           # its pages of 4 slots in the cache
+    slots = torch.cat([p * 4 + torch.arange(4) for p in (pages[0], pages[1], pages[1] + 6)])
+    slots = torch.cat([slots, 40 + torch.arange(1)])       # the last page: one key used
+    cache_k, cache_v = torch.zeros(48, 2, 16), torch.zeros(48, 2, 16)
+    cache_k[slots], cache_v[slots] = k, v
+    out = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 2, key_slots=slots, key_pages=4)
+    torch.testing.assert_close(out, varlen_attention(q, k, v, cu_q, cu_k, 2))
+    for broken, request in ((slots.roll(1), 0), (torch.cat([slots[:8], slots[9:10] + 1,
+                                                            slots[9:]]), 1)):
+        with pytest.raises(ValueError, match=f"request {request}'s key_slots are not whole pag"):
+            varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 2, key_slots=broken, key_pages=4)
+    # a request with no queries reads nothing: its slots may lie anywhere
+    none = torch.tensor([0, 1, 1, 3], dtype=torch.int32)
+    varlen_attention(q, cache_k, cache_v, none, torch.tensor([0, 4, 8, 12], dtype=torch.int32),
+                     2, key_slots=torch.cat([slots[:4], slots[4:8].flip(0), slots[8:12]]),
+                     key_pages=4)
+
+
 def test_rows_past_the_requests_are_left_alone():
     q, k, v, cu_q, cu_k = packed_case((2, 3), (4, 3))
     q = torch.cat([q, torch.randn(4, 4, 16)])          # 4 padding rows after the requests
@@ -121,6 +145,8 @@ def test_half_precision_inputs():
     (lambda a: a.update(key_slots=torch.zeros(5, dtype=torch.int16)), r"key_slots must be"),
     (lambda a: a.update(out=torch.empty(3, 4, 16)), r"out must be a contiguous"),
     (lambda a: a.update(scale=0.0), r"scale must be a positive number"),
+    (lambda a: a.update(key_pages=4), r"pass key_slots with it"),
+    (lambda a: a.update(key_pages=0, key_slots=torch.arange(17)), r"key_pages must be a posit"),
 ])
 def test_bad_arguments_are_named(change, message):
     q, k, v, cu_q, cu_k = packed_case(Q_LENS, K_LENS, 4, 2)
@@ -168,6 +194,15 @@ CASES = [(variant, "sm_90") for variant in VARIANTS] + [
     for arch in ("sm_80", "sm_100", "sm_120")]
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
+def test_kernel_compiles_for_pages_of_whole_tiles(arch):
+    """flash_attn_with_kvcache's pages of whole key tiles: the block-load launches that read
+    every request (decode and prefill tiles, one each) compile."""
+    pytest.importorskip("cuda.tile.compilation")
+    cubins = varlen.export_cubins(*_launch_args(max_q=300), arch=arch, key_pages=256)
+    assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+
+
 @pytest.mark.parametrize("variant, arch", CASES, ids=["-".join(c) for c in CASES])
 def test_kernel_compiles(variant, arch):
     pytest.importorskip("cuda.tile.compilation")
@@ -209,8 +244,9 @@ def test_each_launch_takes_its_entry():
     decode row gathers and wider decode heads with the compiler's choice."""
     from hf_tiled_attention import varlen_kernel as K
 
-    def kernels(**kwargs):
-        return [launch[0] for launch in varlen.launches(*_launch_args(**kwargs))]
+    def kernels(key_pages=None, **kwargs):
+        return [launch[0] for launch in varlen.launches(*_launch_args(**kwargs),
+                                                        key_pages=key_pages)]
 
     assert kernels(cache_rows=2 ** 21 - 16, paged=False) == [K.varlen_decode_kernel]
     assert kernels(cache_rows=2 ** 21, paged=False) == [K.varlen_decode_paged_kernel]
@@ -224,6 +260,15 @@ def test_each_launch_takes_its_entry():
     assert kernels(max_q=300, paged=False, head_dim=256)[1:] == [K.varlen_prefill_kernel]
     assert kernels(max_q=300)[3:] == [K.whole_tile_requests_kernel] + \
         [K.varlen_prefill_paged_kernel] * 2
+    # pages of whole key tiles (flash_attn_with_kvcache's word): block loads alone, one launch
+    # per tile shape; pages of 64 keys hold whole prefill tiles only (decode tiles take 128)
+    assert kernels(key_pages=256) == [K.varlen_decode_paged_kernel]
+    assert kernels(key_pages=256, max_q=300) == [K.varlen_decode_paged_kernel,
+                                                 K.varlen_prefill_paged_kernel]
+    assert kernels(key_pages=64, max_q=300) == [K.whole_tile_requests_kernel,
+                                                K.varlen_decode_paged_kernel,
+                                                K.varlen_forward_paged_kernel,
+                                                K.varlen_prefill_paged_kernel]
 
 
 # ---------------------------------------------------------------------------------------------

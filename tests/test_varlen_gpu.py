@@ -215,11 +215,11 @@ def test_reference_and_kernel_agree_in_fp32():
 
 
 def _block_table_case(cached, pages_per_request=8, page=256, heads=(32, 8), head_dim=128,
-                      all_pages=False):
+                      all_pages=False, new=1):
     """A paged cache (pages of ``page`` slots, shuffled, bf16) with each request's pages in its
     block table row (the entries past them -1, as transformers fills them; ``all_pages``: every
-    entry a page), one query and one new key/value per request: transformers 5.19+'s decode
-    step on its block table."""
+    entry a page), ``new`` queries and new keys/values per request: transformers 5.19+'s decode
+    step on its block table (1), or a prompt chunk."""
     g = torch.Generator(device="cuda").manual_seed(4)
     batch = len(cached)
     pages = batch * pages_per_request + 3
@@ -228,11 +228,11 @@ def _block_table_case(cached, pages_per_request=8, page=256, heads=(32, 8), head
     table = torch.full((batch, pages_per_request), -1, dtype=torch.int32, device="cuda")
     order = torch.randperm(pages, generator=g, device="cuda").to(torch.int32)
     for b, n in enumerate(cached):
-        used = pages_per_request if all_pages else n // page + 1
+        used = pages_per_request if all_pages else (n + new - 1) // page + 1
         table[b, :used] = order[b * pages_per_request:b * pages_per_request + used]
-    q = torch.randn(batch, 1, heads[0], head_dim, generator=g, device="cuda",
+    q = torch.randn(batch, new, heads[0], head_dim, generator=g, device="cuda",
                     dtype=torch.bfloat16)
-    k_new, v_new = (torch.randn(batch, 1, heads[1], head_dim, generator=g, device="cuda",
+    k_new, v_new = (torch.randn(batch, new, heads[1], head_dim, generator=g, device="cuda",
                                 dtype=torch.bfloat16) for _ in range(2))
     return q, k_cache, v_cache, k_new, v_new, table, torch.tensor(cached, device="cuda")
 
@@ -241,28 +241,34 @@ def _block_table_definition(q, k_cache, v_cache, table, lengths):
     slots = block_table_slots(table, lengths, k_cache.shape[1])
     keys = [k_cache.flatten(0, 1)[slot].cpu().float() for slot in slots]
     values = [v_cache.flatten(0, 1)[slot].cpu().float() for slot in slots]
-    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32) * q.shape[1]
     cu_k = torch.tensor([0, *lengths.cpu().cumsum(0).tolist()], dtype=torch.int32)
     return definition(q.flatten(0, 1).cpu().float(), torch.cat(keys), torch.cat(values), cu_q,
                       cu_k, scale=q.shape[-1] ** -0.5)
 
 
-def test_flash_kvcache_interface_reads_the_block_table():
+@pytest.mark.parametrize("page, new", [(256, 1), (256, 96), (64, 1), (16, 1)],
+                         ids=["whole-pages", "chunk-whole-pages", "pages-of-64", "small-pages"])
+def test_flash_kvcache_interface_reads_the_block_table(page, new):
     """FlashAttention's decode on a block table (flash_interface.flash_attn_with_kvcache, the
     Hub-kernel route of transformers 5.19+): the new keys written into their pages, then every
-    request's keys read where they lie, against the definition."""
+    request's keys read where they lie, against the definition. Pages of whole key tiles are
+    read by block loads alone (varlen_attention's key_pages), in decode tiles and in a prompt
+    chunk's; pages of 64 hold whole prefill tiles but not decode tiles (128 keys), and pages of
+    16 neither: those take the marking launch and row gathers."""
     from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
     q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case(
-        [0, 255, 256, 1000, 2047, 17, 511, 1])
+        [0, 255, 256, 1000, 2047, 17, 511, 1], pages_per_request=2048 // page + 2, page=page,
+        new=new)
     poison_allocator(q.numel() * 64)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
                                   block_table=table, softmax_scale=128 ** -0.5, causal=True)
     torch.cuda.synchronize()
-    want = _block_table_definition(q, k_cache, v_cache, table, cached + 1)
+    want = _block_table_definition(q, k_cache, v_cache, table, cached + new)
     err = (out.flatten(0, 1).double().cpu() - want).abs().max().item()
     assert torch.isfinite(out).all() and err <= TOLERANCE[torch.bfloat16], err
-    for b, slot in enumerate(block_table_slots(table, cached + 1, 256)):  # the new key last
-        assert torch.equal(k_cache.flatten(0, 1)[slot[-1]], k_new[b, 0])
+    for b, slot in enumerate(block_table_slots(table, cached + new, page)):  # new keys last
+        assert torch.equal(k_cache.flatten(0, 1)[slot[-new:]], k_new[b])
 
 
 def test_flash_kvcache_interface_in_a_cuda_graph():
