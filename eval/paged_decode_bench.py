@@ -9,12 +9,12 @@ chunk of a prompt each, its last keys, causal) over ``--keys`` keys each, Llama-
 attention (32 query / 8 kv heads, D=128, bf16), the keys on pages of ``--page`` slots shuffled
 over the cache as transformers' allocator leaves them. Modes:
 
-* ``paged``: ``varlen_attention`` reading the cache through the slot list (what "paged|tiled"
-  runs);
-* ``paged-pages``: the same told the slots are whole pages (``key_pages``: what
-  ``flash_attn_with_kvcache`` says of a block table's rows, transformers 5.19+'s route): one
-  launch of block loads, no marking launch and no row-gathering one (where ``--keys`` is a
-  multiple of ``--page``, so each request starts on a page);
+* ``paged``: ``varlen_attention`` reading the cache through the slot list alone (a marking
+  launch, then block loads and row gathers: what pages smaller than a key tile get);
+* ``paged-pages``: the same told the slots are whole pages from each request's first key
+  (``key_pages``: what ``flash_attn_with_kvcache`` says of a block table's rows, and
+  "paged|tiled" of transformers 5.17-5.18's read indices): one launch of block loads, no
+  marking launch and no row-gathering one;
 * ``gathered``: the same kernel on K/V already gathered into request order (no page lookups);
 * ``gather+kernel``: ``index_select`` of K and V first, then ``gathered`` (what a step costs
   when the cache hands attention a gathered copy, as transformers' other paged backends do).
@@ -131,8 +131,6 @@ def main(argv=None) -> int:
                 q, cache_k.index_select(0, slots), cache_v.index_select(0, slots), cu_q,
                 cu_k, queries, out=out),
         }
-        if keys % args.page:
-            del calls["paged-pages"]
         reference = calls["gathered"]().clone()
         for mode, call in calls.items():
             err = (call().float() - reference.float()).abs().max().item()

@@ -192,15 +192,19 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
         v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
         keys, values, slots = k_cache, v_cache, read_index[group]
+        # A full-attention layer's read indices are its requests' whole blocks, in order from
+        # each request's first key (and only those: padding requests have no keys), so pages
+        # of whole key tiles are read in one launch (varlen_attention's key_pages).
+        pages = cache.block_size
     else:
         # Nothing cached yet (the keys are the new tokens'), or a sliding layer (the cache
         # gathers its window with the new tokens before overwriting the oldest).
         keys, values = cache.update(key_states=key, value_states=value,
                                     layer_idx=module.layer_idx, read_index=read_index,
                                     write_index=write_index)
-        slots = None
+        slots = pages = None
     out = varlen_attention(query[0].transpose(0, 1), keys, values, cu_q.to(torch.int32),
                            cu_k.to(torch.int32), int(max_q), scale=scaling, window=window,
                            softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"),
-                           key_slots=slots)
+                           key_slots=slots, key_pages=pages)
     return out.unsqueeze(0), None

@@ -46,13 +46,13 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``max_seqlen_q``: at least the longest request's query count (rows past it are not
     computed). ``window``: each query sees the ``window`` keys ending at its own; ``softcap``:
     ``softcap * tanh(score / softcap)``; ``sinks`` ``(Hq,)``: a learned logit per head in each
-    softmax. ``key_pages`` (with ``key_slots``): the caller's word that the slots are pages of
-    that many: each request's keys start at a multiple of it in ``key_slots``, and each run of
-    that many keys from there lies in consecutive slots from a multiple of it (a block table's
-    rows expanded, as flash_attn_with_kvcache makes them); key tiles that divide it are then all
-    read by block loads in one launch, with no launch that marks such requests on the device.
-    Checked on the reference path (requests with queries); a broken word on the GPU reads
-    wrong keys. Rows of ``out``
+    softmax. ``key_pages`` (with ``key_slots``): the caller's word that each request's keys lie
+    on whole pages of that many slots, in order from its first key: each run of that many of
+    its keys (the first from its key 0) in consecutive slots from a multiple of it, as a block
+    table's rows give them (flash_attn_with_kvcache's expanded rows, transformers' read indices
+    of full-attention layers); key tiles that divide it are then all read by block loads in one
+    launch, with no launch that marks such requests on the device. Checked on the reference
+    path (requests with queries); a broken word on the GPU reads wrong keys. Rows of ``out``
     past ``cu_seqlens_q[-1]`` are left as they are (zeros when the call allocates it)."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
@@ -351,10 +351,10 @@ def _require_pages(key_slots, cu_seqlens_q, cu_seqlens_k, key_pages: int) -> Non
     for request in range(len(cu_k) - 1):
         if cu_q[request + 1] == cu_q[request]:
             continue
-        start, slots = cu_k[request], key_slots[cu_k[request]:cu_k[request + 1]].long().cpu()
+        slots = key_slots[cu_k[request]:cu_k[request + 1]].long().cpu()
         first = slots[::key_pages].repeat_interleave(key_pages)[:slots.numel()]
         offset = torch.arange(slots.numel()) % key_pages
-        if start % key_pages or (first % key_pages).any() or (slots != first + offset).any():
+        if (first % key_pages).any() or (slots != first + offset).any():
             raise ValueError(f"key_pages={key_pages}: request {request}'s key_slots are not "
-                             f"whole pages of {key_pages} (its keys must start at a multiple of "
-                             f"it and each run of {key_pages} fill one page in order)")
+                             f"whole pages of {key_pages} (each run of {key_pages} of its keys, "
+                             f"from its first, must fill one page in order)")

@@ -89,26 +89,26 @@ def test_paged_reads_equal_gathered():
 
 
 def test_key_pages_is_a_word_the_reference_path_holds_the_caller_to():
-    """``key_pages``: each request (with queries) starts at a multiple of the page in
-    ``key_slots`` and fills whole pages in order; the reference path refuses slots that do not,
-    and gives the plain paged result on slots that do."""
-    q, k, v, cu_q, _ = packed_case((1, 2), (8, 5), 4, 2)
-    cu_k = torch.tensor([0, 8, 13], dtype=torch.int32)     # the second request starts at 8
-    pages = torch.tensor([5, 2])                           # its pages of 4 slots in the cache
-    slots = torch.cat([p * 4 + torch.arange(4) for p in (pages[0], pages[1], pages[1] + 6)])
-    slots = torch.cat([slots, 40 + torch.arange(1)])       # the last page: one key used
+    """``key_pages``: each request's keys (one with queries), from its first, fill whole pages
+    in order, wherever the request starts in ``key_slots`` (transformers' read indices pack the
+    requests back to back); the reference path refuses slots that do not, and gives the plain
+    paged result on slots that do."""
+    q, k, v, cu_q, cu_k = packed_case((1, 2), (6, 5), 4, 2)
+    assert cu_k.tolist() == [0, 6, 11]                     # the second request starts at 6
+    page = lambda p, n: p * 4 + torch.arange(n)            # noqa: E731 (the first n of page p)
+    slots = torch.cat([page(5, 4), page(2, 2), page(8, 4), page(10, 1)])
     cache_k, cache_v = torch.zeros(48, 2, 16), torch.zeros(48, 2, 16)
     cache_k[slots], cache_v[slots] = k, v
     out = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 2, key_slots=slots, key_pages=4)
     torch.testing.assert_close(out, varlen_attention(q, k, v, cu_q, cu_k, 2))
-    for broken, request in ((slots.roll(1), 0), (torch.cat([slots[:8], slots[9:10] + 1,
-                                                            slots[9:]]), 1)):
+    shifted = torch.cat([slots[:6], slots[6:] + 1])         # request 1 one slot into its pages
+    for broken, request in ((slots.flip(0), 0), (shifted, 1)):
         with pytest.raises(ValueError, match=f"request {request}'s key_slots are not whole pag"):
             varlen_attention(q, cache_k, cache_v, cu_q, cu_k, 2, key_slots=broken, key_pages=4)
     # a request with no queries reads nothing: its slots may lie anywhere
     none = torch.tensor([0, 1, 1, 3], dtype=torch.int32)
-    varlen_attention(q, cache_k, cache_v, none, torch.tensor([0, 4, 8, 12], dtype=torch.int32),
-                     2, key_slots=torch.cat([slots[:4], slots[4:8].flip(0), slots[8:12]]),
+    varlen_attention(q, cache_k, cache_v, none, torch.tensor([0, 4, 7, 11], dtype=torch.int32),
+                     2, key_slots=torch.cat([page(5, 4), page(2, 3).flip(0), page(8, 4)]),
                      key_pages=4)
 
 

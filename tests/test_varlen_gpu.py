@@ -62,7 +62,7 @@ FEATURES = {
 HEADS = {"gqa4": (32, 8), "mha": (8, 8), "gqa7": (28, 4), "gqa16": (16, 1)}
 
 
-def check(batch, heads, head_dim, dtype, features, paged, **layout):
+def check(batch, heads, head_dim, dtype, features, paged, key_pages=None, **layout):
     q_lens, k_lens = BATCHES[batch]
     q, k, v, cache_k, cache_v, slots, cu_q, cu_k = serving_case(q_lens, k_lens, *HEADS[heads],
                                                                  head_dim, dtype, **layout)
@@ -72,7 +72,7 @@ def check(batch, heads, head_dim, dtype, features, paged, **layout):
     poison_allocator(q.numel() * 8)
     if paged:
         out = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, max(q_lens), key_slots=slots,
-                               **kwargs)
+                               key_pages=key_pages, **kwargs)
     else:
         out = varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), **kwargs)
     torch.cuda.synchronize()
@@ -107,6 +107,17 @@ def test_pages_of_whole_tiles_read_as_blocks(page, batch, features):
     second request of each batch straddles blocks, so both reads meet in one launch."""
     check(batch, "gqa4", 128, torch.bfloat16, FEATURES[features], True, page=page,
           shifted=(1,))
+
+
+@pytest.mark.parametrize("features", ["plain", "all"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("page", [128, 256])
+def test_key_pages_reads_every_request_in_one_launch(page, batch, features):
+    """The caller's word that every request's keys lie on whole pages from its first key
+    (transformers 5.17's read indices: requests back to back in the slot list, each starting
+    on a page, wherever that falls in the list): one launch of block loads for all of them."""
+    check(batch, "gqa4", 128, torch.bfloat16, FEATURES[features], True, page=page,
+          key_pages=page)
 
 
 @pytest.mark.parametrize("page, shifted", [(256, ()), (128, (2, 4)), (16, ())],
