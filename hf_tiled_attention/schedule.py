@@ -495,6 +495,13 @@ VARLEN_DECODE_OCCUPANCY_MAX_D = 128
 # keys (183-224 -> 246-467 TF/s; H200, graph replay, perf-notes step 64).
 VARLEN_PREFILL_WORKER_WARPS = 8
 
+# Load latency hints (1 low .. 10 high DRAM traffic) for the K and V tiles of the varlen
+# kernel's prefill-shaped tiles; None leaves them to the compiler. A prompt chunk read from the
+# cache ran at 0.54-0.69x the TF/s of the same chunk over gathered keys (H100, perf-notes step
+# 66), where the forward kernel's tiles take 2 and 4 (Schedule.k_latency / v_latency): the
+# experiment in .pending/README.md times both.
+VARLEN_PREFILL_LATENCY = (None, None)
+
 
 def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:
     """(rows, keys) per tile of the packed-requests kernel (varlen_kernel.py): a decode step's

@@ -24,8 +24,8 @@ from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
 from .launch import current_stream, launch_device, scaled_scores
 from .memo import memoize
-from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_SLOT, head_dim_tile,
-                       varlen_tiles)
+from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_SLOT,
+                       VARLEN_PREFILL_LATENCY, head_dim_tile, varlen_tiles)
 
 MAX_GROUP_TILE = 16  # query heads packed into one tile at most (a GQA group)
 
@@ -109,9 +109,9 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
     (varlen_kernel.whole_tile_requests): one reads those by block loads, one gathers the
     others' keys row by row; where ``key_pages`` says every tile is a block, one launch reads
     them all by block loads (perf-notes step 65: the other two took 4.6-7.7% of a short step)."""
-    from .varlen_kernel import (BLOCKS, CONSTANTS, EVERY_REQUEST, G_TILE, PAGED, PREFETCH,
-                                SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N, WINDOWED,
-                                whole_tile_requests_kernel)
+    from .varlen_kernel import (BLOCKS, CONSTANTS, EVERY_REQUEST, G_TILE, K_LATENCY, PAGED,
+                                PREFETCH, SINKS, SOFTCAP, TILE_D, TILE_M, TILE_N, V_LATENCY,
+                                WINDOWED, whole_tile_requests_kernel)
     heads_q, head_dim = query.shape[1], query.shape[2]
     g_tile = group_tile(heads_q, key.shape[1])
     heads = heads_q // g_tile
@@ -144,6 +144,9 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
         constants[WINDOWED] = window is not None
         constants[SOFTCAP] = softcap is not None
         constants[SINKS] = sinks is not None
+        if low:  # prefill-shaped tiles (decode tiles leave their loads to the compiler: 0)
+            constants[K_LATENCY], constants[V_LATENCY] = (
+                latency or 0 for latency in VARLEN_PREFILL_LATENCY)
         grid = (-(-high // (tile_m // g_tile)), requests, heads)
         arrays = head_rows + (slots, whole.get(tile_n, cu_k)) + tail
         reads = (EVERY_REQUEST,) if every_tile_a_block else \

@@ -45,7 +45,9 @@ SINKS = 7      # a learned sink logit per query head joins each row's softmax
 BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
                # other requests, by row gathers); EVERY_REQUEST: all of them by block loads
 PREFETCH = 9   # BLOCKS: tile j+1's first slot is loaded during tile j (schedule.py)
-CONSTANTS = 10  # the tuple's length
+K_LATENCY = 10  # K's and V's load latency hints, 0 the compiler's (schedule.VARLEN_PREFILL_LATENCY)
+V_LATENCY = 11
+CONSTANTS = 12  # the tuple's length
 EVERY_REQUEST = 2  # BLOCKS: the caller's layout makes every tile a block (Whole unread)
 
 
@@ -218,9 +220,9 @@ def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
         else:
             first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
         k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                    padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[K_LATENCY])).reshape((N, D))
         v = ct.load(V, index=(first // N, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                    padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[V_LATENCY])).reshape((N, D))
     else:
         slots = ct.load(Slots, index=(j,), shape=(N,),
                         padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
@@ -231,10 +233,12 @@ def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
         rows = slots - base
         k = ct.load_advanced_indexing(K.slice(axis=0, start=base, stop=K.shape[0]),
                                       (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
-                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                                      padding_mode=ct.PaddingMode.ZERO,
+                                      latency=_hint(C[K_LATENCY])).reshape((N, D))
         v = ct.load_advanced_indexing(V.slice(axis=0, start=base, stop=V.shape[0]),
                                       (rows, ct.Slice(kv_head, 1), ct.Slice(0, D)),
-                                      padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                                      padding_mode=ct.PaddingMode.ZERO,
+                                      latency=_hint(C[V_LATENCY])).reshape((N, D))
     if EDGE:  # a padded row is a real cache row (another request's, or stale): 0 * NaN is NaN
         v = ct.where(valid[:, None], v, 0.0)
     return k, v, next_slot
@@ -252,9 +256,9 @@ def _key_tile(j, state, arrays, where, EDGE, C):
         k, v, next_slot = _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C)
     else:
         k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                    padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[K_LATENCY])).reshape((N, D))
         v = ct.load(V, index=(j, kv_head, 0), shape=(N, 1, D),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((N, D))
+                    padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[V_LATENCY])).reshape((N, D))
     qk = mma(q, ct.transpose(k), ct.full((C[TILE_M], N), 0.0, dtype=ct.float32))
     if C[SOFTCAP]:
         s = ct.tanh(qk * score_scale) * softcap_out
@@ -271,6 +275,11 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     acc = mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc, next_slot
+
+
+def _hint(latency):
+    """A load's latency hint from the constants: 0 leaves it to the compiler."""
+    return latency if latency else None
 
 
 def whole_tile_requests(Slots, CuK, Whole, C: ct.Constant):

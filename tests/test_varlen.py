@@ -194,6 +194,24 @@ CASES = [(variant, "sm_90") for variant in VARIANTS] + [
     for arch in ("sm_80", "sm_100", "sm_120")]
 
 
+def test_prefill_launches_take_the_schedule_latency_hints(monkeypatch):
+    """schedule.VARLEN_PREFILL_LATENCY reaches the prefill-shaped launches' constants (None:
+    0, the compiler's choice); decode-shaped launches keep the compiler's. With hints, the
+    prefill launches still compile (sm_90)."""
+    from hf_tiled_attention import varlen_kernel as K
+
+    def latencies():
+        return [(args[-1][K.K_LATENCY], args[-1][K.V_LATENCY])
+                for kernel, _, args in varlen.launches(*_launch_args(max_q=300))
+                if kernel is not K.whole_tile_requests_kernel]
+    assert latencies() == [(0, 0)] * 4
+    monkeypatch.setattr(varlen, "VARLEN_PREFILL_LATENCY", (2, 4))
+    assert latencies() == [(0, 0)] * 2 + [(2, 4)] * 2
+    pytest.importorskip("cuda.tile.compilation")
+    cubins = varlen.export_cubins(*_launch_args(max_q=300), arch="sm_90", key_pages=256)
+    assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
 def test_kernel_compiles_for_pages_of_whole_tiles(arch):
     """flash_attn_with_kvcache's pages of whole key tiles: the block-load launches that read
