@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
+from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
 from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
                                        median_ms)
 
@@ -122,9 +123,9 @@ def main(argv=None) -> int:
         calls = {
             "paged": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
                                               key_slots=slots, out=out),
-            "paged-pages": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
-                                                    key_slots=slots, key_pages=args.page,
-                                                    out=out),
+            "paged-pages": lambda: varlen_attention_on_pages(
+                q, cache_k, cache_v, cu_q, cu_k, queries, key_slots=slots, key_pages=args.page,
+                out=out),
             "gathered": lambda: varlen_attention(q, k_flat, v_flat, cu_q, cu_k, queries,
                                                  out=out),
             "gather+kernel": lambda: varlen_attention(

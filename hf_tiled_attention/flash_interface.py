@@ -68,7 +68,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     its ``cache_seqlens[b] + Sn`` keys (causal at the end) where they lie in the cache. Returns
     ``(B, Sq, Hq, D)``.
 
-    One :func:`varlen.varlen_attention` over the cache (no gathered copy), with every shape
+    One :func:`varlen.varlen_attention_on_pages` over the cache (no gathered copy), with every shape
     fixed by the arguments' shapes and nothing read on the host, so a CUDA graph can hold it:
     request ``b``'s slots are row ``b`` of the block table expanded to ``max_pages * page``
     slots, and a request with no queries after each real one takes the rest of its row."""
@@ -116,7 +116,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ends = torch.full((1,), batch * row, device=q.device)
     cu_k = torch.cat([torch.stack([starts, starts + lengths.to(q.device)], 1).flatten(), ends])
     cu_q = (torch.arange(2 * batch + 1, device=q.device) + 1) // 2 * queries
-    out = varlen.varlen_attention(
+    out = varlen.varlen_attention_on_pages(
         q.flatten(0, 1), k_slots, v_slots, cu_q.to(torch.int32), cu_k.to(torch.int32), queries,
         scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
         sinks=s_aux, key_slots=slots, key_pages=page)

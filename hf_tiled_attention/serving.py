@@ -156,7 +156,7 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     """``AttentionInterface`` entry under ``"paged|tiled"`` (transformers 5.17-5.18's continuous
     batching): ``query`` ``(1, Hq, Tq, D)``, ``key``/``value`` ``(1, Hkv, Tq, D)`` the new
     tokens', ``cache`` the ``PagedAttentionCache``. Returns ``(out (1, Tq, Hq, D), None)``."""
-    from .varlen import varlen_attention
+    from .varlen import varlen_attention_on_pages
 
     cache = kwargs.get("cache")
     if cache is None:
@@ -194,7 +194,7 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         keys, values, slots = k_cache, v_cache, read_index[group]
         # A full-attention layer's read indices are its requests' whole blocks, in order from
         # each request's first key (and only those: padding requests have no keys), so pages
-        # of whole key tiles are read in one launch (varlen_attention's key_pages).
+        # of whole key tiles are read in one launch (varlen_attention_on_pages' key_pages).
         pages = cache.block_size
     else:
         # Nothing cached yet (the keys are the new tokens'), or a sliding layer (the cache
@@ -203,8 +203,8 @@ def paged_tiled_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                     layer_idx=module.layer_idx, read_index=read_index,
                                     write_index=write_index)
         slots = pages = None
-    out = varlen_attention(query[0].transpose(0, 1), keys, values, cu_q.to(torch.int32),
-                           cu_k.to(torch.int32), int(max_q), scale=scaling, window=window,
-                           softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"),
-                           key_slots=slots, key_pages=pages)
+    out = varlen_attention_on_pages(
+        query[0].transpose(0, 1), keys, values, cu_q.to(torch.int32), cu_k.to(torch.int32),
+        int(max_q), scale=scaling, window=window, softcap=kwargs.get("softcap") or None,
+        sinks=kwargs.get("s_aux"), key_slots=slots, key_pages=pages)
     return out.unsqueeze(0), None

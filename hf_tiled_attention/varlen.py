@@ -36,7 +36,6 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      window: Optional[int] = None, softcap: Optional[float] = None,
                      sinks: Optional[torch.Tensor] = None,
                      key_slots: Optional[torch.Tensor] = None,
-                     key_pages: Optional[int] = None,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of packed requests; returns ``(Tq, Hq, D)`` in the query's dtype.
 
@@ -46,14 +45,25 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``max_seqlen_q``: at least the longest request's query count (rows past it are not
     computed). ``window``: each query sees the ``window`` keys ending at its own; ``softcap``:
     ``softcap * tanh(score / softcap)``; ``sinks`` ``(Hq,)``: a learned logit per head in each
-    softmax. ``key_pages`` (with ``key_slots``): the caller's word that each request's keys lie
-    on whole pages of that many slots, in order from its first key: each run of that many of
-    its keys (the first from its key 0) in consecutive slots from a multiple of it, as a block
-    table's rows give them (flash_attn_with_kvcache's expanded rows, transformers' read indices
-    of full-attention layers); key tiles that divide it are then all read by block loads in one
-    launch, with no launch that marks such requests on the device. Checked on the reference
-    path (requests with queries); a broken word on the GPU reads wrong keys. Rows of ``out``
-    past ``cu_seqlens_q[-1]`` are left as they are (zeros when the call allocates it)."""
+    softmax. Rows of ``out`` past ``cu_seqlens_q[-1]`` are left as they are (zeros when the
+    call allocates it)."""
+    return varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, scale=scale, window=window, softcap=softcap,
+                                     sinks=sinks, key_slots=key_slots, key_pages=None, out=out)
+
+
+def varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *,
+                              scale=None, window=None, softcap=None, sinks=None, key_slots=None,
+                              key_pages: Optional[int], out=None) -> torch.Tensor:
+    """:func:`varlen_attention` for the package's own callers whose slot lists are whole pages
+    by construction (flash_attn_with_kvcache's expanded block table rows, "paged|tiled"'s read
+    indices of full-attention layers). ``key_pages`` (with ``key_slots``) is their word that
+    each request's keys lie on whole pages of that many slots, in order from its first key:
+    each run of that many of its keys (the first from its key 0) in consecutive slots from a
+    multiple of it; key tiles that divide it are then all read by block loads in one launch,
+    with no launch that marks such requests on the device. Checked on the reference path
+    (requests with queries); the GPU cannot look without reading the slots on the host, and a
+    broken word there reads wrong keys, so this is not exported."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
     _check_key_pages(key_pages, key_slots)

@@ -149,7 +149,7 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
     else:
         eager = greedy_batch(eager_model, requests, max_batch_tokens, device)
     calls = {"calls": 0, "paged": 0, "replays": 0}
-    real = varlen.varlen_attention
+    real = varlen.varlen_attention_on_pages  # every packed-requests call ends there
     real_replay = torch.cuda.CUDAGraph.replay
 
     def counted(*args, **kwargs):
@@ -161,7 +161,7 @@ def run(name: str, dtype=torch.float32, device="cpu", max_batch_tokens=None,
         calls["replays"] += 1
         return real_replay(graph)
 
-    with mock.patch.object(varlen, "varlen_attention", counted), \
+    with mock.patch.object(varlen, "varlen_attention_on_pages", counted), \
             mock.patch.object(torch.cuda.CUDAGraph, "replay", counted_replay), \
             graph_padding() if padded else contextlib.nullcontext(), \
             block_table_decode() if block_table else contextlib.nullcontext():

@@ -6,8 +6,8 @@ word-level tokenizer with a chat template to FOLDER.
 
 ``python integration_tests/serve_runs.py serve COUNT_FILE ARGS...``: ``transformers serve
 ARGS...`` in this process, with every call into the packed-requests entry
-(``varlen.varlen_attention``) and the batched one (``op.tiled_attention`` through
-``flash_interface``) appending a line to COUNT_FILE. transformers 5.25 runs the model in a
+(``varlen.varlen_attention_on_pages``, which ``varlen_attention`` calls too) and the batched
+one (``op.tiled_attention`` through ``flash_interface``) appending a line to COUNT_FILE. transformers 5.25 runs the model in a
 spawned process, which imports this file again as its main module: the counting wrappers are
 put in place at import, so they count there too.
 """
@@ -36,7 +36,7 @@ def _count_calls() -> None:
             return function(*args, **kwargs)
         return wrapper
 
-    varlen.varlen_attention = counted("varlen", varlen.varlen_attention)
+    varlen.varlen_attention_on_pages = counted("varlen", varlen.varlen_attention_on_pages)
     flash_interface.tiled_attention = counted("batched", flash_interface.tiled_attention)
 
 

@@ -71,8 +71,8 @@ def check(batch, heads, head_dim, dtype, features, paged, key_pages=None, **layo
                   scale=head_dim ** -0.5)
     poison_allocator(q.numel() * 8)
     if paged:
-        out = varlen_attention(q, cache_k, cache_v, cu_q, cu_k, max(q_lens), key_slots=slots,
-                               key_pages=key_pages, **kwargs)
+        out = varlen.varlen_attention_on_pages(q, cache_k, cache_v, cu_q, cu_k, max(q_lens),
+                                               key_slots=slots, key_pages=key_pages, **kwargs)
     else:
         out = varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), **kwargs)
     torch.cuda.synchronize()
@@ -264,7 +264,7 @@ def test_flash_kvcache_interface_reads_the_block_table(page, new):
     """FlashAttention's decode on a block table (flash_interface.flash_attn_with_kvcache, the
     Hub-kernel route of transformers 5.19+): the new keys written into their pages, then every
     request's keys read where they lie, against the definition. Pages of whole key tiles are
-    read by block loads alone (varlen_attention's key_pages), in decode tiles and in a prompt
+    read by block loads alone (varlen_attention_on_pages' key_pages), in decode tiles and in a prompt
     chunk's; pages of 64 hold whole prefill tiles but not decode tiles (128 keys), and pages of
     16 neither: those take the marking launch and row gathers."""
     from hf_tiled_attention.flash_interface import flash_attn_with_kvcache

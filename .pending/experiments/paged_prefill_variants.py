@@ -44,7 +44,7 @@ for requests, queries, keys in points:
     for name in variants:
         varlen.VARLEN_PREFILL_LATENCY, varlen.VARLEN_PREFETCH_SLOT = SETTINGS[name]
         calls = {
-            "paged-pages": lambda: varlen.varlen_attention(
+            "paged-pages": lambda: varlen.varlen_attention_on_pages(
                 q, ck, cv, cu_q, cu_k, queries, key_slots=slots, key_pages=256, out=out),
             "gathered": lambda: varlen.varlen_attention(q, kf, vf, cu_q, cu_k, queries, out=out),
         }
