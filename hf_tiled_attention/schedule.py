@@ -496,11 +496,11 @@ VARLEN_DECODE_OCCUPANCY_MAX_D = 128
 VARLEN_PREFILL_WORKER_WARPS = 8
 
 # Load latency hints (1 low .. 10 high DRAM traffic) for the K and V tiles of the varlen
-# kernel's prefill-shaped tiles; None leaves them to the compiler. A prompt chunk read from the
-# cache ran at 0.54-0.69x the TF/s of the same chunk over gathered keys (H100, perf-notes step
-# 66), where the forward kernel's tiles take 2 and 4 (Schedule.k_latency / v_latency): the
-# experiment in .pending/README.md times both.
-VARLEN_PREFILL_LATENCY = (None, None)
+# kernel's prefill-shaped tiles; None leaves one to the compiler. The forward kernel's 2 and 4
+# (Schedule.k_latency / v_latency) won at every point tried, chunks of 128-512 queries over 4k
+# keys: 1.36-1.43x through the cache's pages, 1.10-1.17x over packed keys against the
+# compiler's choice (H100, perf-notes step 67; 1/1, 4/4, 3/6, 2/8, 4/8, 8/8 lost on a mode).
+VARLEN_PREFILL_LATENCY = (2, 4)
 
 
 def varlen_tiles(max_seqlen_q: int, g_tile: int) -> tuple[int, int]:

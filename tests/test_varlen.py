@@ -210,17 +210,19 @@ CASES = [(variant, "sm_90") for variant in VARIANTS] + [
 
 def test_prefill_launches_take_the_schedule_latency_hints(monkeypatch):
     """schedule.VARLEN_PREFILL_LATENCY reaches the prefill-shaped launches' constants (None:
-    0, the compiler's choice); decode-shaped launches keep the compiler's. With hints, the
-    prefill launches still compile (sm_90)."""
-    from hf_tiled_attention import varlen_kernel as K
+    0, the compiler's choice); decode-shaped launches keep the compiler's. With the default
+    hints, the prefill launches compile (sm_90)."""
+    from hf_tiled_attention import schedule, varlen_kernel as K
 
     def latencies():
         return [(args[-1][K.K_LATENCY], args[-1][K.V_LATENCY])
                 for kernel, _, args in varlen.launches(*_launch_args(max_q=300))
                 if kernel is not K.whole_tile_requests_kernel]
+    assert schedule.VARLEN_PREFILL_LATENCY == (2, 4)  # perf-notes step 67
+    assert latencies() == [(0, 0)] * 2 + [(2, 4)] * 2
+    monkeypatch.setattr(varlen, "VARLEN_PREFILL_LATENCY", (None, None))
     assert latencies() == [(0, 0)] * 4
     monkeypatch.setattr(varlen, "VARLEN_PREFILL_LATENCY", (2, 4))
-    assert latencies() == [(0, 0)] * 2 + [(2, 4)] * 2
     pytest.importorskip("cuda.tile.compilation")
     cubins = varlen.export_cubins(*_launch_args(max_q=300), arch="sm_90", key_pages=256)
     assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)

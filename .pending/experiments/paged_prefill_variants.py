@@ -30,6 +30,10 @@ SETTINGS = {  # name -> (VARLEN_PREFILL_LATENCY, VARLEN_PREFETCH_SLOT)
     "latency 1/1": ((1, 1), True),
     "latency 8/8": ((8, 8), True),
     "no prefetch": ((None, None), False),
+    "latency 4/4": ((4, 4), True),
+    "latency 2/8": ((2, 8), True),
+    "latency 4/8": ((4, 8), True),
+    "latency 3/6": ((3, 6), True),
 }
 points = eval(os.environ.get("POINTS", "[(8, 128, 4096), (32, 128, 4096), (8, 512, 4096)]"))
 variants = eval(os.environ.get("VARIANTS", repr(list(SETTINGS))))
