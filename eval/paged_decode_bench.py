@@ -68,8 +68,11 @@ def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim:
                           dtype=dtype)
     q = torch.randn(requests * queries, heads_q, head_dim, generator=g, device=device,
                     dtype=dtype)
-    starts = torch.arange(requests + 1, device=device, dtype=torch.int32)
-    cu_q, cu_k = starts * queries, starts * keys
+    # transformers hands the cu_seqlens as slices of larger static buffers (5.17's
+    # continuous_batching/input_outputs.py), which the call reads in place; a tensor of exactly
+    # R + 1 rows costs it a copy kernel each (varlen._rows_of_16), so slice one here too.
+    starts = torch.arange(-(-(requests + 1) // 16) * 16, device=device, dtype=torch.int32)
+    cu_q, cu_k = (starts * queries)[:requests + 1], (starts * keys)[:requests + 1]
     return q, cache_k, cache_v, slots, cu_q, cu_k
 
 
