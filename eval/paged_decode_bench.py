@@ -15,6 +15,10 @@ over the cache as transformers' allocator leaves them. Modes:
   (``key_pages``: what ``flash_attn_with_kvcache`` says of a block table's rows, and
   "paged|tiled" of transformers 5.17-5.18's read indices): one launch of block loads, no
   marking launch and no row-gathering one;
+* ``kvcache``: ``flash_attn_with_kvcache`` over the same pages as a block table, the request's
+  last ``queries`` keys passed as its new tokens (written into the cache first, the values
+  already there): the whole decode call of transformers 5.19+'s Hub-kernel route, with the
+  small torch steps that build its slot list and write the new tokens;
 * ``gathered``: the same kernel on K/V already gathered into request order (no page lookups);
 * ``gather+kernel``: ``index_select`` of K and V first, then ``gathered`` (what a step costs
   when the cache hands attention a gathered copy, as transformers' other paged backends do).
@@ -44,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
+from hf_tiled_attention.flash_interface import flash_attn_with_kvcache  # noqa: E402
 from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
 from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
                                        median_ms)
@@ -51,7 +56,7 @@ from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa
 COLUMNS = ["requests", "queries", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode",
            "kv_mb", "ms", "read_tbps", "tflops", "copy_tbps", "vs_copy", "graph_ms",
            "graph_read_tbps", "graph_vs_copy", "max_err_vs_gathered"]
-MODES = ["paged", "paged-pages", "gathered", "gather+kernel"]
+MODES = ["paged", "paged-pages", "kvcache", "gathered", "gather+kernel"]
 
 
 def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim: int,
@@ -123,12 +128,23 @@ def main(argv=None) -> int:
         # (17 GB of K/V) ran out of an 80 GB H100's memory
         del copy_src, copy_dst
         out = torch.empty_like(q)
+        # the block table behind the slots (each request's slots start on a page), and the
+        # request's last keys as the new tokens flash_attn_with_kvcache writes before reading
+        table = (slots.view(requests, keys)[:, ::args.page] // args.page).to(torch.int32)
+        pages = (-1, args.page, *cache_k.shape[1:])
+        new_k, new_v = (flat.view(requests, keys, *flat.shape[1:])[:, keys - queries:]
+                        for flat in (k_flat, v_flat))
+        seqlens = torch.full((requests,), keys - queries, dtype=torch.int32, device=device)
+        q_rows = q.view(requests, queries, *q.shape[1:])
         calls = {
             "paged": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
                                               key_slots=slots, out=out),
             "paged-pages": lambda: varlen_attention_on_pages(
                 q, cache_k, cache_v, cu_q, cu_k, queries, key_slots=slots, key_pages=args.page,
                 out=out),
+            "kvcache": lambda: flash_attn_with_kvcache(
+                q_rows, cache_k.view(pages), cache_v.view(pages), new_k, new_v,
+                cache_seqlens=seqlens, block_table=table, causal=True).flatten(0, 1),
             "gathered": lambda: varlen_attention(q, k_flat, v_flat, cu_q, cu_k, queries,
                                                  out=out),
             "gather+kernel": lambda: varlen_attention(
@@ -165,7 +181,7 @@ def main(argv=None) -> int:
                   f"{ms:.4f} ms, {flops / ms / 1e9:.1f} TF/s, "
                   f"{kv_bytes / 1e6:.0f} MB, {read:.2f} TB/s ({read / copy_tbps:.2f}x copy "
                   f"{copy_tbps:.2f}){in_graph}, err {err:.1e}", flush=True)
-        del q, cache_k, cache_v, slots, k_flat, v_flat
+        del q, cache_k, cache_v, slots, k_flat, v_flat, new_k, new_v, q_rows
     print(f"paged_decode_bench: {writer.finish()}")
     return 0
 
