@@ -471,12 +471,15 @@ def backward_schedule(head_dim: int) -> BackwardSchedule:
     raise LookupError(f"no backward schedule for head dim {head_dim}")
 
 
-# The paged launch that reads whole-block requests (varlen_kernel BLOCKS) loads tile j+1's first
-# slot while tile j computes, so a block load's address never waits on a slot load (a global
-# load's latency is about a 64-key tile's read time per SM at the copy rate): at 128-key tiles
-# 2.49 / 2.55 TB/s against 2.50 / 2.54 without, at 64 keys 2.21 / 2.28 against 2.08 / 2.07 (H100,
-# R=32 x 16k and R=256 x 4k keys, perf-notes step 57).
-VARLEN_PREFETCH_SLOT = True
+# The paged launch that reads whole-block requests (varlen_kernel BLOCKS) loads the first slots
+# of the next 0, 1 or 2 tiles while tile j computes (decode-shaped tiles, prefill-shaped ones),
+# so a block load's address need not wait on a slot load (a global load's latency is about a
+# 64-key tile's read time per SM at the copy rate). One tile ahead in decode: at 128-key tiles
+# 2.49 / 2.55 TB/s against 2.50 / 2.54 without, at 64 keys 2.21 / 2.28 against 2.08 / 2.07
+# (H100, R=32 x 16k and R=256 x 4k keys, perf-notes step 57). Prompt chunks through the cache
+# ran 1.11-1.12x faster without it under the compiler's load hints (step 67); with the hints
+# now used, 0, 1 and 2 tiles ahead are the next run's variants (.pending/README.md).
+VARLEN_PREFETCH_TILES = (1, 1)
 
 # Blocks per SM for the decode-shaped tiles that stream keys (the packed kernel, and the paged
 # launch that reads whole blocks): left to the compiler they take 211 KB of shared memory, one

@@ -24,7 +24,7 @@ from .checks import SUPPORTED_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .kernel_params import LOG2E
 from .launch import current_stream, launch_device, scaled_scores
 from .memo import memoize
-from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_SLOT,
+from .schedule import (VARLEN_DECODE_OCCUPANCY_MAX_D, VARLEN_PREFETCH_TILES,
                        VARLEN_PREFILL_LATENCY, head_dim_tile, varlen_tiles)
 
 MAX_GROUP_TILE = 16  # query heads packed into one tile at most (a GQA group)
@@ -163,10 +163,19 @@ def launches(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
             (True, False) if key_slots is not None else (False,)
         for blocks in reads:
             constants[BLOCKS] = blocks
-            constants[PREFETCH] = blocks and VARLEN_PREFETCH_SLOT
+            constants[PREFETCH] = _prefetch_tiles(bool(low)) if blocks else 0
             result.append((_kernel(arrays, constants, decoding=low == 0), grid,
                            arrays + scalars + (low, high, tuple(constants))))
     return result
+
+
+def _prefetch_tiles(prefill: bool) -> int:
+    """schedule.VARLEN_PREFETCH_TILES for decode- or prefill-shaped tiles, checked."""
+    ahead = VARLEN_PREFETCH_TILES[1 if prefill else 0]
+    if ahead not in (0, 1, 2):
+        raise ValueError(f"schedule.VARLEN_PREFETCH_TILES: slots are loaded 0, 1 or 2 tiles "
+                         f"ahead, got {VARLEN_PREFETCH_TILES!r}")
+    return int(ahead)
 
 
 def _rows_of_16(tensor: torch.Tensor, *, may_view: bool = True) -> torch.Tensor:

@@ -44,7 +44,7 @@ SOFTCAP = 6    # tanh softcap: scores = softcap * tanh(qk * scale / softcap)
 SINKS = 7      # a learned sink logit per query head joins each row's softmax
 BLOCKS = 8     # PAGED: this launch takes the requests Whole marks, by block loads (else the
                # other requests, by row gathers); EVERY_REQUEST: all of them by block loads
-PREFETCH = 9   # BLOCKS: tile j+1's first slot is loaded during tile j (schedule.py)
+PREFETCH = 9   # BLOCKS: the first slots of the next 1 or 2 tiles are loaded ahead (schedule.py)
 K_LATENCY = 10  # K's and V's load latency hints, 0 the compiler's (schedule.VARLEN_PREFILL_LATENCY)
 V_LATENCY = 11
 CONSTANTS = 12  # the tuple's length
@@ -174,12 +174,13 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
     m_i = ct.full((M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
-    # The next block's first slot rides along with the softmax state (read with PREFETCH).
-    next_slot = ct.full((1,), 0, dtype=ct.int32)
+    # The next tiles' first slots ride along with the softmax state (read with PREFETCH).
+    ahead = (ct.full((1,), 0, dtype=ct.int32), ct.full((1,), 0, dtype=ct.int32))
     if C[PAGED] and C[BLOCKS] and C[PREFETCH]:
-        next_slot = ct.load(Slots_req, index=(first * N,), shape=(1,),
-                            padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
-    state = (m_i, l_i, acc, next_slot)
+        ahead = (_first_slot(Slots_req, first, N), ahead[1])
+        if C[PREFETCH] == 2:
+            ahead = (ahead[0], _first_slot(Slots_req, first + 1, N))
+    state = (m_i, l_i, acc, ahead)
     arrays = (K_req, V_req, Slots_req)
     where = (q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out)
     for j in range(first, full_lo):
@@ -204,21 +205,30 @@ def _request_tile(Q, K, V, Slots, Sinks, Out, score_scale, softcap_out, window, 
              tile=out.reshape((ROWS, 1, G, D)).astype(Out.dtype))
 
 
-def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
-    """Key tile ``j`` of a request from the cache, and the first slot of tile ``j + 1`` (loaded
-    here with PREFETCH, else passed on). BLOCKS: one block load from the tile's first slot
-    (``next_slot`` with PREFETCH; the request's tiles are whole blocks; rows past its keys are
-    the cache's, and read as zeros below); else a gather row by row."""
+def _first_slot(Slots, j, N):
+    """The first slot of a request's key tile ``j``, as a (1,) tile (0 past its keys)."""
+    return ct.load(Slots, index=(j * N,), shape=(1,),
+                   padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+
+
+def _paged_tile(K, V, Slots, j, ahead, kv_head, k_len, EDGE, C):
+    """Key tile ``j`` of a request from the cache, and the first slots of the tiles after it
+    (``ahead``: tiles ``j + 1`` and, with PREFETCH 2, ``j + 2``; loaded here, else passed on).
+    BLOCKS: one block load from the tile's first slot (``ahead[0]`` with PREFETCH; the request's
+    tiles are whole blocks; rows past its keys are the cache's, and read as zeros below); else
+    a gather row by row."""
     N = C[TILE_N]
     D = C[TILE_D]
     valid = j * N + ct.arange(N, dtype=ct.int32) < k_len
     if C[BLOCKS]:
-        if C[PREFETCH]:
-            first = next_slot.item()
-            next_slot = ct.load(Slots, index=((j + 1) * N,), shape=(1,),
-                                padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
+        if C[PREFETCH] == 2:
+            first = ahead[0].item()
+            ahead = (ahead[1], _first_slot(Slots, j + 2, N))
+        elif C[PREFETCH]:
+            first = ahead[0].item()
+            ahead = (_first_slot(Slots, j + 1, N), ahead[1])
         else:
-            first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+            first = _first_slot(Slots, j, N).item()
         k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[K_LATENCY])).reshape((N, D))
         v = ct.load(V, index=(first // N, kv_head, 0), shape=(N, 1, D),
@@ -226,7 +236,7 @@ def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
     else:
         slots = ct.load(Slots, index=(j,), shape=(N,),
                         padding_mode=ct.PaddingMode.ZERO).astype(ct.int32)
-        first = ct.load(Slots, index=(j * N,), shape=(1,)).astype(ct.int32).item()
+        first = _first_slot(Slots, j, N).item()
         slots = ct.where(valid, slots, first)
         # Gather from the lowest slot on: row offsets stay small for int32 address math.
         base = ct.min(slots)
@@ -241,19 +251,19 @@ def _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C):
                                       latency=_hint(C[V_LATENCY])).reshape((N, D))
     if EDGE:  # a padded row is a real cache row (another request's, or stale): 0 * NaN is NaN
         v = ct.where(valid[:, None], v, 0.0)
-    return k, v, next_slot
+    return k, v, ahead
 
 
 def _key_tile(j, state, arrays, where, EDGE, C):
     """One online-softmax step over the request's key tile ``j``. ``EDGE``: the tile may hold
     keys some rows do not see (apply the causal/window rule); else every row sees all of it."""
-    m_i, l_i, acc, next_slot = state
+    m_i, l_i, acc, ahead = state
     K, V, Slots = arrays
     q, row_pos, cols, kv_head, k_len, window, score_scale, softcap_out = where
     N = C[TILE_N]
     D = C[TILE_D]
     if C[PAGED]:
-        k, v, next_slot = _paged_tile(K, V, Slots, j, next_slot, kv_head, k_len, EDGE, C)
+        k, v, ahead = _paged_tile(K, V, Slots, j, ahead, kv_head, k_len, EDGE, C)
     else:
         k = ct.load(K, index=(j, kv_head, 0), shape=(N, 1, D),
                     padding_mode=ct.PaddingMode.ZERO, latency=_hint(C[K_LATENCY])).reshape((N, D))
@@ -274,7 +284,7 @@ def _key_tile(j, state, arrays, where, EDGE, C):
     alpha = ct.exp2(m_i - m_shift, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     acc = mma(p.astype(v.dtype), v, acc * alpha)
-    return m_new, l_i, acc, next_slot
+    return m_new, l_i, acc, ahead
 
 
 def _hint(latency):

@@ -228,6 +228,30 @@ def test_prefill_launches_take_the_schedule_latency_hints(monkeypatch):
     assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)
 
 
+def test_block_loads_take_the_schedule_slots_ahead(monkeypatch):
+    """schedule.VARLEN_PREFETCH_TILES (decode tiles, prefill tiles) reaches the block-load
+    launches' PREFETCH constant; row gathers take 0; a value other than 0, 1, 2 is named.
+    Slots two tiles ahead and none compile (sm_90, both tile shapes, whole pages)."""
+    from hf_tiled_attention import varlen_kernel as K
+
+    def ahead(**options):
+        return [(args[-1][K.BLOCKS], args[-1][K.PREFETCH])
+                for kernel, _, args in varlen.launches(*_launch_args(max_q=300), **options)
+                if kernel is not K.whole_tile_requests_kernel]
+    assert ahead() == [(True, 1), (False, 0)] * 2
+    monkeypatch.setattr(varlen, "VARLEN_PREFETCH_TILES", (0, 2))
+    assert ahead() == [(True, 0), (False, 0), (True, 2), (False, 0)]
+    assert ahead(key_pages=256) == [(K.EVERY_REQUEST, 0), (K.EVERY_REQUEST, 2)]
+    monkeypatch.setattr(varlen, "VARLEN_PREFETCH_TILES", (1, 3))
+    with pytest.raises(ValueError, match="VARLEN_PREFETCH_TILES.*0, 1 or 2.*3"):
+        ahead()
+    pytest.importorskip("cuda.tile.compilation")
+    for tiles in ((2, 0), (0, 2)):
+        monkeypatch.setattr(varlen, "VARLEN_PREFETCH_TILES", tiles)
+        cubins = varlen.export_cubins(*_launch_args(max_q=300), arch="sm_90", key_pages=256)
+        assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
 def test_kernel_compiles_for_pages_of_whole_tiles(arch):
     """flash_attn_with_kvcache's pages of whole key tiles: the block-load launches that read
