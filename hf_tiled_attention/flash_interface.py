@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import varlen
+from .memo import Memo, may_keep_device_memory
 from .op import tiled_attention
 
 
@@ -93,34 +94,64 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"False with {queries} queries a request)")
     page = k_cache.shape[1]
     k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)   # (pages * page, Hkv, D)
-    table = block_table.long() * page
-    lengths = cache_seqlens.long()
+    # Each eager torch step below is a kernel of its own, as long as a short step's attention
+    # in a graph (2 us each): the shape-fixed parts are made once per shape (_layout).
+    cu_q, cu_k_starts, offsets = _layout(batch, queries, block_table.shape[1], page, q.device)
+    slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
+    lengths = cache_seqlens
     if k is not None:
-        position = lengths[:, None] + torch.arange(k.shape[1], device=k.device)
-        written = (table.gather(1, (position // page).clamp(min=0)) + position % page).flatten()
+        new = k.shape[1]
+        position = cache_seqlens[:, None] + _counting(new, q.device)      # int64 (B, Sn)
+        written = slots.gather(1, position.clamp(min=0)).flatten()
         # A padding row (transformers pads a graph's batch: cache_seqlens -1, its table row -1)
-        # writes nothing: its writes repeat the first real one, the same value to the same slot.
-        # (index_select, not [first]: a tensor index is read on the host, which a graph forbids.)
+        # writes nothing: it repeats the first real row's write, the same value to the same
+        # slot. (index_select, not [first]: a tensor index is read on the host, which a graph
+        # forbids.)
         real = (position >= 0).flatten()
-        first = real.int().argmax().view(1)
-        written = torch.where(real, written, written.index_select(0, first))
-        for cache, new in ((k_slots, k), (v_slots, v)):
-            rows = new.flatten(0, 1)
-            cache.index_copy_(0, written,
-                              torch.where(real[:, None, None], rows, rows.index_select(0, first)))
-        lengths = lengths + k.shape[1]
-    lengths = lengths.clamp(min=0)
-    row = table.shape[1] * page
-    slots = (table[:, :, None] + torch.arange(page, device=table.device)).flatten()
-    starts = torch.arange(batch, device=q.device) * row
-    ends = torch.full((1,), batch * row, device=q.device)
-    cu_k = torch.cat([torch.stack([starts, starts + lengths.to(q.device)], 1).flatten(), ends])
-    cu_q = (torch.arange(2 * batch + 1, device=q.device) + 1) // 2 * queries
+        source = torch.where(real, _counting(batch * new, q.device),
+                             real.int().argmax().view(1))
+        written = written.index_select(0, source)
+        for cache, rows in ((k_slots, k), (v_slots, v)):
+            cache.index_copy_(0, written, rows.flatten(0, 1).index_select(0, source))
+        lengths = cache_seqlens + new
+    cu_k = cu_k_starts.clone()  # request b's keys: [b * row, b * row + length)
+    cu_k[1:2 * batch:2].add_(lengths.clamp(min=0))
     out = varlen.varlen_attention_on_pages(
-        q.flatten(0, 1), k_slots, v_slots, cu_q.to(torch.int32), cu_k.to(torch.int32), queries,
+        q.flatten(0, 1), k_slots, v_slots, cu_q, cu_k[:2 * batch + 1], queries,
         scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
-        sinks=s_aux, key_slots=slots, key_pages=page)
+        sinks=s_aux, key_slots=slots.flatten(), key_pages=page)
     return out.unflatten(0, (batch, queries))
+
+
+_LAYOUTS = Memo("flash_interface.layouts", 64)  # a few KB each; a graph keeps reading its own
+
+
+def _kept(key: tuple, make, device: torch.device) -> torch.Tensor:
+    """``make()``, kept per key where a GPU tensor may be kept (memo.may_keep_device_memory:
+    not while a CUDA graph is being captured, whose pool would hold it)."""
+    eager = not torch.compiler.is_compiling()
+    return _LAYOUTS.get_or_make(key, make, keep=may_keep_device_memory(eager, device))
+
+
+def _counting(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)``, int64, made once per size."""
+    return _kept(("counting", n, device),
+                 lambda: torch.arange(n, device=device, dtype=torch.int64), device)
+
+
+def _layout(batch: int, queries: int, max_pages: int, page: int, device: torch.device):
+    """What a flash_attn_with_kvcache call's shapes fix: the varlen call's query offsets (each
+    request then an empty one: ``(2B + 1,)``), its key offsets before the lengths are added
+    (request ``b``'s keys start at its block table row, ``b * max_pages * page``), both int32
+    with storage to a multiple of 16 rows (varlen reads them in place, with no copy), and a
+    page's slot offsets (int64: the slot list feeds index_copy_)."""
+    def make():
+        rows = -(-(2 * batch + 1) // 16) * 16
+        index = torch.arange(rows, device=device, dtype=torch.int32)
+        cu_q = ((index + 1) // 2 * queries)[:2 * batch + 1]
+        cu_k_starts = index // 2 * (max_pages * page)
+        return cu_q, cu_k_starts, torch.arange(page, device=device, dtype=torch.int64)
+    return _kept(("layout", batch, queries, max_pages, page, device), make, device)
 
 
 def _no_dropout(dropout_p: float) -> None:

@@ -417,6 +417,55 @@ def test_flash_kvcache_interface_ignores_padding_rows():
         assert torch.equal(padded, alone)
 
 
+def test_flash_kvcache_interface_runs_few_torch_steps(monkeypatch):
+    """Every eager torch step of a decode call is a GPU kernel as long as a short step's
+    attention (about 2 us in a graph): a decode call with new tokens runs at most 17 that
+    launch work besides the attention (it ran 39), its shape-fixed tensors made once and kept,
+    and the varlen call gets offsets whose storage reaches 16 rows (read in place, no copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from hf_tiled_attention import flash_interface
+    from hf_tiled_attention.memo import cache_sizes
+
+    class Steps(TorchDispatchMode):
+        free = {"view", "unsqueeze", "slice", "select", "flatten", "_unsafe_view", "alias",
+                "expand", "as_strided", "t", "transpose", "detach"}
+
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in self.free:
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+
+    def attention(q, k, v, cu_q, cu_k, max_q, **options):
+        calls.append((cu_q, cu_k))
+        return q
+    monkeypatch.setattr(varlen, "varlen_attention_on_pages", attention)
+    g = torch.Generator().manual_seed(4)
+    cache = [torch.randn(32, 16, 2, 8, generator=g) for _ in range(2)]
+    table = torch.randperm(32, generator=g)[:24].view(6, 4).to(torch.int32)
+    cached = torch.tensor([3, 17, 40, 0, 63, 5], dtype=torch.int32)
+    q = torch.randn(6, 1, 4, 8, generator=g)
+    new = [torch.randn(6, 1, 2, 8, generator=g) for _ in range(2)]
+    flash_interface.flash_attn_with_kvcache(q, *cache, *new, cache_seqlens=cached,
+                                            block_table=table, causal=True)
+    kept = cache_sizes()["flash_interface.layouts"]
+    with Steps() as steps:
+        flash_interface.flash_attn_with_kvcache(q, *cache, *new, cache_seqlens=cached,
+                                                block_table=table, causal=True)
+    assert len(steps.names) <= 17, steps.names
+    assert "arange" not in steps.names and cache_sizes()["flash_interface.layouts"] == kept
+    for offsets in calls[-1]:
+        assert offsets.shape == (13,) and offsets.dtype == torch.int32
+        assert offsets.untyped_storage().nbytes() >= 16 * 4
+    assert calls[-1][1].tolist() == [0, 4, 64, 82, 128, 169, 192, 193, 256, 320, 320, 326, 384]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_table=None), r"reads a paged cache: pass block_table"),
     (dict(causal=False), r"causal only \(causal=False with 2 queries"),
