@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import varlen
+from .launch import current_stream
 from .memo import Memo, may_keep_device_memory
 from .op import tiled_attention
 
@@ -126,11 +127,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 _LAYOUTS = Memo("flash_interface.layouts", 64)  # a few KB each; a graph keeps reading its own
 
 
-def _kept(key: tuple, make, device: torch.device) -> torch.Tensor:
-    """``make()``, kept per key where a GPU tensor may be kept (memo.may_keep_device_memory:
-    not while a CUDA graph is being captured, whose pool would hold it)."""
+def _kept(key: tuple, make, device: torch.device):
+    """``make()``, kept per key and stream where a GPU tensor may be kept
+    (memo.may_keep_device_memory: not while a CUDA graph is being captured, whose pool would
+    hold it). Per stream, as launch.py keeps its workspaces: the kernels that fill it run on
+    the stream that made it, and a call on another stream would not wait for them."""
     eager = not torch.compiler.is_compiling()
-    return _LAYOUTS.get_or_make(key, make, keep=may_keep_device_memory(eager, device))
+    stream = current_stream(device) if device.type == "cuda" else None
+    return _LAYOUTS.get_or_make(key + (stream,), make,
+                                keep=may_keep_device_memory(eager, device))
 
 
 def _counting(n: int, device: torch.device) -> torch.Tensor:
