@@ -15,6 +15,10 @@ over the cache as transformers' allocator leaves them. Modes:
   (``key_pages``: what ``flash_attn_with_kvcache`` says of a block table's rows, and
   "paged|tiled" of transformers 5.17-5.18's read indices): one launch of block loads, no
   marking launch and no row-gathering one;
+* ``pages-as-kvcache``: ``paged-pages`` over the offsets and slot list that
+  ``flash_attn_with_kvcache`` hands it (each request's block table row expanded to slots, an
+  empty request after each real one: 2R requests in the launch's grid), none of its other
+  steps: ``kvcache`` minus this is the call's bookkeeping, this minus ``paged-pages`` its layout;
 * ``kvcache``: ``flash_attn_with_kvcache`` over the same pages as a block table, the request's
   last ``queries`` keys passed as its new tokens (written into the cache first, the values
   already there): the whole decode call of transformers 5.19+'s Hub-kernel route, with the
@@ -56,7 +60,7 @@ from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa
 COLUMNS = ["requests", "queries", "keys", "heads_q", "heads_kv", "head_dim", "page", "mode",
            "kv_mb", "ms", "read_tbps", "tflops", "copy_tbps", "vs_copy", "graph_ms",
            "graph_read_tbps", "graph_vs_copy", "max_err_vs_gathered"]
-MODES = ["paged", "paged-pages", "kvcache", "gathered", "gather+kernel"]
+MODES = ["paged", "paged-pages", "pages-as-kvcache", "kvcache", "gathered", "gather+kernel"]
 
 
 def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim: int,
@@ -79,6 +83,21 @@ def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim:
     starts = torch.arange(-(-(requests + 1) // 16) * 16, device=device, dtype=torch.int32)
     cu_q, cu_k = (starts * queries)[:requests + 1], (starts * keys)[:requests + 1]
     return q, cache_k, cache_v, slots, cu_q, cu_k
+
+
+def kvcache_layout(table: torch.Tensor, keys: int, queries: int, page: int):
+    """The offsets and slot list ``flash_attn_with_kvcache`` hands the varlen call for a block
+    table whose requests hold ``keys`` keys each: request ``b``'s queries and keys, then an empty
+    request to the end of its table row; the rows expanded to slots (int64). Offsets int32,
+    slices of 16-row storage, as the call makes them."""
+    requests, row = table.shape[0], table.shape[1] * page
+    index = torch.arange(-(-(2 * requests + 1) // 16) * 16, dtype=torch.int32,
+                         device=table.device)
+    cu_q = ((index + 1) // 2 * queries)[:2 * requests + 1]
+    cu_k = index // 2 * row + (index % 2) * keys
+    slots = (table.long()[:, :, None] * page +
+             torch.arange(page, device=table.device)).flatten()
+    return cu_q, cu_k[:2 * requests + 1], slots
 
 
 def main(argv=None) -> int:
@@ -136,12 +155,16 @@ def main(argv=None) -> int:
                         for flat in (k_flat, v_flat))
         seqlens = torch.full((requests,), keys - queries, dtype=torch.int32, device=device)
         q_rows = q.view(requests, queries, *q.shape[1:])
+        cu_q_call, cu_k_call, slots_call = kvcache_layout(table, keys, queries, args.page)
         calls = {
             "paged": lambda: varlen_attention(q, cache_k, cache_v, cu_q, cu_k, queries,
                                               key_slots=slots, out=out),
             "paged-pages": lambda: varlen_attention_on_pages(
                 q, cache_k, cache_v, cu_q, cu_k, queries, key_slots=slots, key_pages=args.page,
                 out=out),
+            "pages-as-kvcache": lambda: varlen_attention_on_pages(
+                q, cache_k, cache_v, cu_q_call, cu_k_call, queries, key_slots=slots_call,
+                key_pages=args.page, out=out),
             "kvcache": lambda: flash_attn_with_kvcache(
                 q_rows, cache_k.view(pages), cache_v.view(pages), new_k, new_v,
                 cache_seqlens=seqlens, block_table=table, causal=True).flatten(0, 1),
@@ -181,7 +204,7 @@ def main(argv=None) -> int:
                   f"{ms:.4f} ms, {flops / ms / 1e9:.1f} TF/s, "
                   f"{kv_bytes / 1e6:.0f} MB, {read:.2f} TB/s ({read / copy_tbps:.2f}x copy "
                   f"{copy_tbps:.2f}){in_graph}, err {err:.1e}", flush=True)
-        del q, cache_k, cache_v, slots, k_flat, v_flat, new_k, new_v, q_rows
+        del q, cache_k, cache_v, slots, k_flat, v_flat, new_k, new_v, q_rows, slots_call
     print(f"paged_decode_bench: {writer.finish()}")
     return 0
 
