@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
-from hf_tiled_attention.flash_interface import flash_attn_with_kvcache  # noqa: E402
+from hf_tiled_attention.flash_interface import _layout, flash_attn_with_kvcache  # noqa: E402
 from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
 from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
                                        median_ms)
@@ -87,16 +87,14 @@ def decode_step(requests: int, keys: int, heads_q: int, heads_kv: int, head_dim:
 
 def kvcache_layout(table: torch.Tensor, keys: int, queries: int, page: int):
     """The offsets and slot list ``flash_attn_with_kvcache`` hands the varlen call for a block
-    table whose requests hold ``keys`` keys each: request ``b``'s queries and keys, then an empty
-    request to the end of its table row; the rows expanded to slots (int64). Offsets int32,
-    slices of 16-row storage, as the call makes them."""
-    requests, row = table.shape[0], table.shape[1] * page
-    index = torch.arange(-(-(2 * requests + 1) // 16) * 16, dtype=torch.int32,
-                         device=table.device)
-    cu_q = ((index + 1) // 2 * queries)[:2 * requests + 1]
-    cu_k = index // 2 * row + (index % 2) * keys
-    slots = (table.long()[:, :, None] * page +
-             torch.arange(page, device=table.device)).flatten()
+    table whose requests hold ``keys`` keys each (its own shape-fixed layout, the lengths added
+    as it adds them): request ``b``'s queries and keys, then an empty request to the end of its
+    table row; the rows expanded to slots."""
+    requests, max_pages = table.shape
+    cu_q, cu_k_starts, offsets = _layout(requests, queries, max_pages, page, table.device)
+    cu_k = cu_k_starts.clone()
+    cu_k[1:2 * requests:2] += keys
+    slots = torch.add(offsets, table[:, :, None], alpha=page).flatten()
     return cu_q, cu_k[:2 * requests + 1], slots
 
 
