@@ -12,9 +12,9 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 * ``tokens_per_s``: new tokens per second after the first, ``batch * (new_tokens - 1)`` over the
   median time of the full call minus the time to first token (the decode steps);
 * ``vs_sdpa``, ``vs_sdpa_low``, ``vs_sdpa_high``: the median over reps of the backend's
-  tokens/s over sdpa's in the same rep (a rep's tokens/s: its full call's time minus the median
-  time to first token), and a 95% interval for it (common.median_interval; blank under 6
-  reps). Whether a difference is more than the host's noise: an interval that holds 1.0 does
+  tokens/s over sdpa's in the same rep (a rep's tokens/s: its full call's time minus the
+  smaller of its own and the median time to first token), and a 95% interval for it
+  (common.median_interval; blank under 6 reps). Whether a difference is more than the host's noise: an interval that holds 1.0 does
   not tell the two apart.
 
 The backends take turns rep by rep, so slow phases of the host fall on all of them alike (and
@@ -128,22 +128,27 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
     ran = [name for name in models if name not in failed]
     prefill = {name: statistics.median(firsts[name]) for name in ran}
 
-    def rate(name, full):
-        # The median prefill, not the rep's own: one slow prefill sample (a busy host) would
-        # leave a rep's decode time near zero and its rate absurd.
-        decode = full - prefill[name]
+    def rate(name, full, first):
+        # The smaller of the rep's own prefill and the median: a slow prefill sample (a busy
+        # host) would leave the rep's decode time near zero and its rate absurd, and a rep run
+        # in a quiet phase of the host can take less in all than the median prefill, taken
+        # partly in busy phases (a CPU runner's swings reach 20x: 61 ms for a whole run
+        # against a 116 ms median prefill).
+        decode = full - min(first, prefill[name])
         if decode <= 0:
             raise RuntimeError(f"generate: {name}'s {new_tokens}-token run took no longer than "
                                "its prefill; raise --new-tokens")
         return ids.shape[0] * (new_tokens - 1) / decode
 
-    rates = {name: [rate(name, full) for full in fulls[name]] for name in ran}
+    rates = {name: [rate(name, full, first) for full, first in zip(fulls[name], firsts[name])]
+             for name in ran}
     results = {}
     for name in models:
         if name in failed:
             results[name] = failed[name]
             continue
-        results[name] = (prefill[name] * 1e3, rate(name, statistics.median(fulls[name])),
+        results[name] = (prefill[name] * 1e3,
+                         rate(name, statistics.median(fulls[name]), prefill[name]),
                          peaks[name], paired_ratio(rates, name))
     return results
 

@@ -181,9 +181,9 @@ def test_generate_ratio_to_sdpa_per_rep(tmp_path):
                                              "tiled": [11.0, 18.0, 48.0]}, "tiled") == (
         1.1, None)
     assert generate_throughput.paired_ratio({"tiled": [1.0]}, "tiled") is None
-    # (A rep's decode time is its full run's minus the median prefill: with the rep's own
-    # prefill, one slow sample on a busy CI runner once left it near 0 and the rate absurd.
-    # 48 tokens keep it well above that runner's jitter.)
+    # (A rep's decode time is its full run's minus the smaller of its own prefill and the
+    # median: test_generate_rep_subtracts_the_smaller_prefill. 48 tokens keep it well above a
+    # busy CI runner's jitter.)
     assert generate_throughput.main(["--new-tokens", "48", "--points", "1x12", "--cache",
                                      "dynamic", "--backends", "tiled", "sdpa", "--reps", "6",
                                      "--warmup", "0", "--out", str(tmp_path)]) == 0
@@ -201,6 +201,26 @@ def test_generate_decode_time_must_be_positive(monkeypatch):
     with pytest.raises(RuntimeError, match="tiled's 16-token run.*--new-tokens"):
         generate_throughput.measure({"tiled": None, "sdpa": None}, torch.ones(1, 4), 16,
                                     "dynamic", warmup=0, reps=2)
+
+
+def test_generate_rep_subtracts_the_smaller_prefill(monkeypatch):
+    """A rep's decode time is its full run less the smaller of its own prefill and the median
+    prefill. Both halves are from a busy CI runner: a slow prefill sample (1.0 s here) must
+    not leave its rep's decode near zero, and a rep run in a quiet phase (a whole run of 0.061
+    s against a median prefill of 0.116 s, the failure CI once printed) still has a rate."""
+    from eval import generate_throughput
+    timings = {("tiled", 48): [1.2, 0.061, 1.3], ("tiled", 1): [0.116, 0.003, 1.0],
+               ("sdpa", 48): [1.0, 1.0, 1.0], ("sdpa", 1): [0.1, 0.1, 0.1]}
+    monkeypatch.setattr(generate_throughput, "timed_generate",
+                        lambda model, ids, new_tokens, *rest: timings[model, new_tokens].pop(0))
+    measured = generate_throughput.measure({"tiled": "tiled", "sdpa": "sdpa"},
+                                           torch.ones(2, 4), 48, "dynamic", warmup=0, reps=3)
+    ttft_ms, tokens_per_s, _, (ratio, interval) = measured["tiled"]
+    assert ttft_ms == pytest.approx(116)
+    assert tokens_per_s == pytest.approx(2 * 47 / (1.2 - 0.116))  # the medians
+    per_rep = [2 * 47 / (1.2 - 0.116), 2 * 47 / (0.061 - 0.003), 2 * 47 / (1.3 - 0.116)]
+    sdpa_rate = 2 * 47 / 0.9
+    assert ratio == pytest.approx(sorted(per_rep)[1] / sdpa_rate) and interval is None
 
 
 def test_profile_decode_step_cpu(tmp_path):
