@@ -99,7 +99,7 @@ def timed(batches, keys_list, dim=128, heads=(32, 8)) -> None:
     from hf_tiled_attention.launch import current_stream
     from hf_tiled_attention.op import sm_count
     from hf_tiled_attention.timing import graph_replay_ms
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # launch.py wants an index
     for batch in batches:
         for keys in keys_list:
             g = torch.Generator(device=device).manual_seed(0)
