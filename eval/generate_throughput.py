@@ -14,8 +14,8 @@ same weights. For each (model, cache, batch, prompt length) every backend runs g
 * ``vs_sdpa``, ``vs_sdpa_low``, ``vs_sdpa_high``: the median over reps of the backend's
   tokens/s over sdpa's in the same rep (a rep's tokens/s: its full call's time minus the
   smaller of its own and the median time to first token), and a 95% interval for it
-  (common.median_interval; blank under 6 reps). Whether a difference is more than the host's noise: an interval that holds 1.0 does
-  not tell the two apart.
+  (common.median_interval; blank under 6 reps). Whether a difference is more than the host's
+  noise: an interval that holds 1.0 does not tell the two apart.
 
 The backends take turns rep by rep, so slow phases of the host fall on all of them alike (and
 each rep's ratio compares runs seconds apart).

@@ -77,9 +77,8 @@ def rel_err(out, q, k, v) -> float:
 
 def step_loops(arch: str) -> None:
     """Instructions per step loop of each variant's decode cubin (B=8, 32/8, D=128, 16k)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
+    from eval.inspect_cubin import report
     from hf_tiled_attention.fp8 import export_kernel_cubin
-    from inspect_cubin import report
     q = torch.empty(8, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     rows = torch.empty(8, 8, 16384, 144, dtype=torch.uint8, device="meta")
     values_t = torch.empty(8, 8, 128, 16384, dtype=torch.float8_e4m3fn, device="meta")
