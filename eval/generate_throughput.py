@@ -129,12 +129,7 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
     prefill = {name: statistics.median(firsts[name]) for name in ran}
 
     def rate(name, full, first):
-        # The smaller of the rep's own prefill and the median: a slow prefill sample (a busy
-        # host) would leave the rep's decode time near zero and its rate absurd, and a rep run
-        # in a quiet phase of the host can take less in all than the median prefill, taken
-        # partly in busy phases (a CPU runner's swings reach 20x: 61 ms for a whole run
-        # against a 116 ms median prefill).
-        decode = full - min(first, prefill[name])
+        decode = decode_seconds(full, first, prefill[name])
         if decode <= 0:
             raise RuntimeError(f"generate: {name}'s {new_tokens}-token run took no longer than "
                                "its prefill; raise --new-tokens")
@@ -151,6 +146,16 @@ def measure(models: dict, ids, new_tokens: int, cache: str, warmup: int,
                          rate(name, statistics.median(fulls[name]), prefill[name]),
                          peaks[name], paired_ratio(rates, name))
     return results
+
+
+def decode_seconds(full: float, first: float, median_first: float) -> float:
+    """A timed generate() run's decode time: the whole run less the smaller of its own prefill
+    (``first``, timed beside it) and the median prefill. A slow prefill sample (a busy host)
+    would leave the decode time near zero, and a run in a quiet phase of the host can take less
+    in all than the median prefill, taken partly in busy phases (a CPU runner's swings reach
+    20x: 61 ms for a whole run against a 116 ms median prefill). The median over runs of this
+    is never below the median run less the median prefill."""
+    return full - min(first, median_first)
 
 
 def paired_ratio(rates: dict, name: str, baseline: str = "sdpa"):

@@ -8,7 +8,8 @@ For each (batch, prompt) and backend, greedy `generate()` (dynamic cache) is run
 ``--steps + 1`` new tokens and for 1 (the prefill); their difference divided by ``--steps`` is
 one decode step. Per step:
 
-* ``step_ms``: wall time (medians of ``--reps`` unprofiled runs);
+* ``step_ms``: wall time, the median over ``--reps`` unprofiled runs of a run less the smaller
+  of its own prefill and the median prefill (``generate_throughput.decode_seconds``);
 * ``gpu_busy_ms``: the sum of all GPU kernel times; ``attention_gpu_ms``: the attention kernels'
   share (ours: the attention kernel, which merges key splits itself; sdpa's: its fused kernels);
   ``other_gpu_ms``: every other kernel (matmuls, norms, RoPE, cache appends);
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hf_tiled_attention  # noqa: E402,F401  (registers attn_implementation="tiled")
 from eval.common import ResultsWriter, progress, output_dir  # noqa: E402
-from eval.generate_throughput import timed_generate  # noqa: E402
+from eval.generate_throughput import decode_seconds, timed_generate  # noqa: E402
 from eval.models import SHAPES, build_config, build_models, model_device  # noqa: E402
 from eval.profiling import (add_profile, finish_profile, profiled,  # noqa: E402
                             step_fields)
@@ -57,10 +58,15 @@ def profile_decode(model, ids, steps: int, reps: int, on_gpu: bool) -> tuple[dic
     full = lambda: timed_generate(model, ids, steps + 1, "dynamic")  # noqa: E731
     first = lambda: timed_generate(model, ids, 1, "dynamic")  # noqa: E731
     full()  # warm-up
-    # Taking turns: a load change on the host during the timed runs hits both medians alike.
+    # Taking turns: a load change on the host during the timed runs hits a run and its
+    # prefill alike.
     runs = [(full(), first()) for _ in range(reps)]
-    step_ms = (statistics.median(f for f, _ in runs)
-               - statistics.median(p for _, p in runs)) / steps * 1e3
+    median_first = statistics.median(p for _, p in runs)
+    step_ms = statistics.median(decode_seconds(f, p, median_first)
+                                for f, p in runs) / steps * 1e3
+    if step_ms <= 0:
+        raise RuntimeError(f"profile_decode_step: {steps + 1}-token runs took no longer than "
+                           "their prefill; raise --steps")
     kernels_full, host_full, launches_full, ranges_full = profiled(full, model, on_gpu)
     kernels_first, host_first, launches_first, ranges_first = profiled(first, model, on_gpu)
     kernels = difference(kernels_full, kernels_first, steps)

@@ -223,6 +223,24 @@ def test_generate_rep_subtracts_the_smaller_prefill(monkeypatch):
     assert ratio == pytest.approx(sorted(per_rep)[1] / sdpa_rate) and interval is None
 
 
+def test_profile_decode_step_subtracts_the_smaller_prefill(monkeypatch):
+    """A decode step is the median over runs of a run less the smaller of its own and the median
+    prefill (generate_throughput's rule): never below the median run less the median prefill,
+    which these busy-runner timings would make negative (0.07 s against 0.116 s)."""
+    from eval import profile_decode_step
+    fulls, firsts = [0.5, 0.061, 0.07, 1.3], [0.116, 0.003, 0.12]   # the first full: warm-up
+    monkeypatch.setattr(profile_decode_step, "timed_generate",
+                        lambda model, ids, new_tokens, cache: (fulls if new_tokens > 1
+                                                               else firsts).pop(0))
+    monkeypatch.setattr(profile_decode_step, "profiled",
+                        lambda run, model, on_gpu: ({}, {}, 0, {}))
+    fields, _, _ = profile_decode_step.profile_decode(None, None, steps=10, reps=3, on_gpu=False)
+    assert float(fields["step_ms"]) == pytest.approx((0.07 - 0.003) / 10 * 1e3)
+    fulls[:], firsts[:] = [0.5, 0.05, 0.06, 0.07], [0.1, 0.1, 0.1]
+    with pytest.raises(RuntimeError, match="raise --steps"):
+        profile_decode_step.profile_decode(None, None, steps=10, reps=3, on_gpu=False)
+
+
 def test_profile_decode_step_cpu(tmp_path):
     from eval import profile_decode_step
     # A step's time is a difference of two timed generate() runs: 48 steps (~0.1-0.3 s on a
