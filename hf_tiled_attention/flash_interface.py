@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 
 from . import varlen
-from .launch import current_stream
+from .launch import current_stream, launch_device, next_power_of_two
 from .memo import Memo, may_keep_device_memory
-from .op import tiled_attention
+from .op import kernel_available, tiled_attention
+from .schedule import head_dim_tile
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -70,8 +71,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     its ``cache_seqlens[b] + Sn`` keys (causal at the end) where they lie in the cache. Returns
     ``(B, Sq, Hq, D)``.
 
-    One :func:`varlen.varlen_attention_on_pages` over the cache (no gathered copy), with every shape
-    fixed by the arguments' shapes and nothing read on the host, so a CUDA graph can hold it:
+    On a GPU one launch writes the new tokens and makes the key offsets (kvcache_kernel.py),
+    then one :func:`varlen.varlen_attention_on_pages` reads the cache (no gathered copy), with
+    every shape fixed by the arguments' shapes and nothing read on the host, so a CUDA graph
+    can hold it:
     request ``b``'s slots are row ``b`` of the block table expanded to ``max_pages * page``
     slots, and a request with no queries after each real one takes the rest of its row."""
     if block_table is None or cache_seqlens is None:
@@ -89,27 +92,72 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("flash_attn_with_kvcache: k and v must be (B, Sn, Hkv, D) of one shape "
                          f"with q's B = {q.shape[0]} and the cache's (Hkv, D) = "
                          f"{tuple(k_cache.shape[2:])}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k is not None and not k.dtype == v.dtype == k_cache.dtype:
+        raise TypeError(f"flash_attn_with_kvcache: k and v must have the cache's dtype "
+                        f"{k_cache.dtype}, got {k.dtype} and {v.dtype}")
     batch, queries = q.shape[:2]
     if not causal and queries > 1:
         raise ValueError("flash_attn_with_kvcache on the tiled kernels is causal only (causal="
                          f"False with {queries} queries a request)")
     page = k_cache.shape[1]
     k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)   # (pages * page, Hkv, D)
-    # Each eager torch step below is a kernel of its own, about 3 us in a graph beside a short
-    # step's 50-110 us attention: the shape-fixed parts are made once per shape (_layout).
+    # Each eager torch step is a kernel of its own, about 3 us in a graph beside a short
+    # step's 50-110 us attention: the shape-fixed parts are made once per shape (_layout), and
+    # on a GPU the new tokens' writes and the key offsets are one launch (perf-notes step 69).
     cu_q, cu_k_starts, offsets = _layout(batch, queries, block_table.shape[1], page, q.device)
     slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
+    if k is not None and k.shape[1] and kernel_available(q.device):
+        cu_k = _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, page)
+    else:
+        cu_k = _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts,
+                                q.device)
+    out = varlen.varlen_attention_on_pages(
+        q.flatten(0, 1), k_slots, v_slots, cu_q, cu_k[:2 * batch + 1], queries,
+        scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
+        sinks=s_aux, key_slots=slots.flatten(), key_pages=page)
+    return out.unflatten(0, (batch, queries))
+
+
+def _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, page: int):
+    """The new tokens written and the varlen call's key offsets (request ``b``'s keys, then an
+    empty request to the end of its table row) in one launch (kvcache_kernel.py), where
+    :func:`_append_in_torch` takes 17 small kernels. Returns the offsets, int32, storage to a
+    multiple of 16 rows (varlen reads them in place)."""
+    import cuda.tile as ct
+
+    device = k.device
+    cu_k = torch.empty(-(-(2 * k.shape[0] + 1) // 16) * 16, dtype=torch.int32, device=device)
+    with launch_device(device):
+        ct.launch(current_stream(device), *append_launch(block_table, cache_seqlens, k, v,
+                                                         k_slots, v_slots, cu_k, page))
+    return cu_k
+
+
+def append_launch(block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, page: int):
+    """``(grid, kernel, args)`` of :func:`_append_on_device`'s launch (meta tensors are fine:
+    the CPU tests export its cubins)."""
+    from .kvcache_kernel import append_new_tokens_kernel
+    constants = (page, block_table.shape[1] * page, next_power_of_two(k.shape[2]),
+                 head_dim_tile(k.shape[3]))
+    return ((k.shape[0], 1, 1), append_new_tokens_kernel,
+            (block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, constants))
+
+
+def _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts, device):
+    """:func:`_append_on_device` in torch steps (the CPU, a GPU without cuTile, or no new
+    tokens)."""
     lengths = cache_seqlens
+    batch = cache_seqlens.shape[0]
     if k is not None:
         new = k.shape[1]
-        position = cache_seqlens[:, None] + _counting(new, q.device)      # int64 (B, Sn)
+        position = cache_seqlens[:, None] + _counting(new, device)        # int64 (B, Sn)
         written = slots.gather(1, position.clamp(min=0)).flatten()
         # A padding row (transformers pads a graph's batch: cache_seqlens -1, its table row -1)
         # writes nothing: it repeats the first real row's write, the same value to the same
         # slot. (index_select, not [first]: a tensor index is read on the host, which a graph
         # forbids.)
         real = (position >= 0).flatten()
-        source = torch.where(real, _counting(batch * new, q.device),
+        source = torch.where(real, _counting(batch * new, device),
                              real.int().argmax().view(1))
         written = written.index_select(0, source)
         for cache, rows in ((k_slots, k), (v_slots, v)):
@@ -117,11 +165,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         lengths = cache_seqlens + new
     cu_k = cu_k_starts.clone()  # request b's keys: [b * row, b * row + length)
     cu_k[1:2 * batch:2].add_(lengths.clamp(min=0))
-    out = varlen.varlen_attention_on_pages(
-        q.flatten(0, 1), k_slots, v_slots, cu_q, cu_k[:2 * batch + 1], queries,
-        scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
-        sinks=s_aux, key_slots=slots.flatten(), key_pages=page)
-    return out.unflatten(0, (batch, queries))
+    return cu_k
 
 
 _LAYOUTS = Memo("flash_interface.layouts", 64)  # a few KB each; a graph keeps reading its own

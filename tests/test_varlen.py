@@ -261,6 +261,33 @@ def test_kernel_compiles_for_pages_of_whole_tiles(arch):
     assert len(cubins) == 2 and all(cubin[:4] == b"\x7fELF" for cubin in cubins)
 
 
+# flash_attn_with_kvcache's bookkeeping launch: (kv heads, head dim, cache_seqlens' dtype):
+# Llama's 8 x 128, one head, tiles padded past 5 heads and D=96, D=256.
+APPEND_CASES = [(8, 128, torch.int64), (1, 64, torch.int32), (5, 96, torch.int32),
+                (4, 256, torch.int64)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
+@pytest.mark.parametrize("heads_kv, head_dim, lengths_dtype", APPEND_CASES)
+def test_kvcache_append_kernel_compiles(arch, heads_kv, head_dim, lengths_dtype):
+    """The one launch that writes flash_attn_with_kvcache's new tokens into the cache and makes
+    the key offsets (kvcache_kernel.py), with the arguments the call hands it."""
+    pytest.importorskip("cuda.tile.compilation")
+    from hf_tiled_attention.flash_interface import append_launch
+    from hf_tiled_attention.fp8 import export_kernel_cubin
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+    batch, new, page = 6, 2, 256
+    grid, kernel, args = append_launch(
+        meta(batch, 5, dtype=torch.int32), meta(batch, dtype=lengths_dtype),
+        meta(batch, new, heads_kv, head_dim), meta(batch, new, heads_kv, head_dim),
+        meta(40 * page, heads_kv, head_dim), meta(40 * page, heads_kv, head_dim),
+        meta(16, dtype=torch.int32), page)
+    assert grid == (batch, 1, 1)
+    assert export_kernel_cubin(kernel, args, arch)[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("variant, arch", CASES, ids=["-".join(c) for c in CASES])
 def test_kernel_compiles(variant, arch):
     pytest.importorskip("cuda.tile.compilation")

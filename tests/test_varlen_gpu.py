@@ -304,3 +304,34 @@ def test_flash_kvcache_interface_in_a_cuda_graph():
     want = _block_table_definition(q, k_cache, v_cache, table, cached + 1)
     err = (out.flatten(0, 1).double().cpu() - want).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("heads_kv, head_dim, lengths_dtype, new",
+                         [(8, 128, torch.int64, 1), (5, 96, torch.int32, 3),
+                          (1, 256, torch.int32, 1)], ids=["llama", "padded-tiles", "one-head"])
+def test_flash_kvcache_append_kernel_matches_torch_steps(heads_kv, head_dim, lengths_dtype, new):
+    """The one launch that writes the new tokens and makes the key offsets (kvcache_kernel.py)
+    against the torch steps it replaces, on two copies of one cache: the same slots written
+    (a padding request, its table row -1 and its positions negative, writes none), nothing else
+    touched, the same offsets. Kv heads and head dims that are not powers of two pad the
+    kernel's tiles; those rows and columns must not be written."""
+    from hf_tiled_attention import flash_interface
+    batch, page = 5, 64
+    q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case(
+        [0, 63, 64, 500, 0], pages_per_request=10, page=page, heads=(heads_kv, heads_kv),
+        head_dim=head_dim, new=new)
+    cached = cached.to(lengths_dtype)
+    cached[4] = -new  # a padding request: -1 in a decode step; no position of it >= 0
+    table[4].fill_(-1)
+    layout = flash_interface._layout(batch, new, table.shape[1], page, q.device)
+    slots = torch.add(layout[2], table[:, :, None], alpha=page).flatten(1)
+    caches = [(k_cache.flatten(0, 1).clone(), v_cache.flatten(0, 1).clone()) for _ in range(2)]
+    poison_allocator(1 << 20)
+    by_kernel = flash_interface._append_on_device(table, cached, k_new, v_new, *caches[0], page)
+    by_torch = flash_interface._append_in_torch(slots, cached, k_new, v_new, *caches[1],
+                                                layout[1], q.device)
+    torch.cuda.synchronize()
+    assert torch.equal(by_kernel[:2 * batch + 1], by_torch[:2 * batch + 1])
+    for kernel_cache, torch_cache in zip(*caches):
+        assert torch.equal(kernel_cache, torch_cache)
+    assert not torch.equal(caches[0][0], k_cache.flatten(0, 1))  # it wrote something
