@@ -221,12 +221,13 @@ def _paged_tile(K, V, Slots, j, ahead, kv_head, k_len, EDGE, C):
     D = C[TILE_D]
     valid = j * N + ct.arange(N, dtype=ct.int32) < k_len
     if C[BLOCKS]:
-        if C[PREFETCH] == 2:
+        if C[PREFETCH]:
             first = ahead[0].item()
-            ahead = (ahead[1], _first_slot(Slots, j + 2, N))
-        elif C[PREFETCH]:
-            first = ahead[0].item()
-            ahead = (_first_slot(Slots, j + 1, N), ahead[1])
+            later = _first_slot(Slots, j + C[PREFETCH], N)
+            if C[PREFETCH] == 2:
+                ahead = (ahead[1], later)
+            else:
+                ahead = (later, ahead[1])
         else:
             first = _first_slot(Slots, j, N).item()
         k = ct.load(K, index=(first // N, kv_head, 0), shape=(N, 1, D),
