@@ -103,7 +103,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)   # (pages * page, Hkv, D)
     # Each eager torch step is a kernel of its own, about 3 us in a graph beside a short
     # step's 50-110 us attention: the shape-fixed parts are made once per shape (_layout), and
-    # on a GPU the new tokens' writes and the key offsets are one launch (perf-notes step 69).
+    # on a GPU the new tokens' writes and the key offsets are one launch (perf-notes step 69);
+    # every output row is a request's query, so the output needs no zero fill (every_row).
     cu_q, cu_k_starts, offsets = _layout(batch, queries, block_table.shape[1], page, q.device)
     slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
     if k is not None and k.shape[1] and kernel_available(q.device):
@@ -114,7 +115,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = varlen.varlen_attention_on_pages(
         q.flatten(0, 1), k_slots, v_slots, cu_q, cu_k[:2 * batch + 1], queries,
         scale=softmax_scale, window=_window(window_size, True), softcap=softcap or None,
-        sinks=s_aux, key_slots=slots.flatten(), key_pages=page)
+        sinks=s_aux, key_slots=slots.flatten(), key_pages=page, every_row=True)
     return out.unflatten(0, (batch, queries))
 
 

@@ -54,7 +54,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *,
                               scale=None, window=None, softcap=None, sinks=None, key_slots=None,
-                              key_pages: Optional[int], out=None) -> torch.Tensor:
+                              key_pages: Optional[int], out=None,
+                              every_row: bool = False) -> torch.Tensor:
     """:func:`varlen_attention` for the package's own callers whose slot lists are whole pages
     by construction (flash_attn_with_kvcache's expanded block table rows, "paged|tiled"'s read
     indices of full-attention layers). ``key_pages`` (with ``key_slots``) is their word that
@@ -63,7 +64,11 @@ def varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     multiple of it; key tiles that divide it are then all read by block loads in one launch,
     with no launch that marks such requests on the device. Checked on the reference path
     (requests with queries); the GPU cannot look without reading the slots on the host, and a
-    broken word there reads wrong keys, so this is not exported."""
+    broken word there reads wrong keys, so this is not exported. ``every_row``: the caller's
+    word that its requests' queries are all of ``query``'s rows (``cu_seqlens_q[-1]`` is its
+    row count, ``max_seqlen_q`` the longest request's), so the kernel writes every row of an
+    output the call allocates and it needs no zero fill (one kernel fewer a call in a graph:
+    flash_attn_with_kvcache's layout); held to on the reference path as ``key_pages``."""
     scale = _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, window,
                    softcap, sinks, key_slots, out)
     _check_key_pages(key_pages, key_slots)
@@ -75,7 +80,8 @@ def varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     from .op import kernel_available
     if query.numel() and kernel_available(query.device):
         if out is None:  # rows to a multiple of 16 (_rows_of_16), the extra ones not returned
-            padded = query.new_zeros((query.shape[0] + 15) // 16 * 16, *query.shape[1:])
+            allocate = query.new_empty if every_row else query.new_zeros
+            padded = allocate((query.shape[0] + 15) // 16 * 16, *query.shape[1:])
             out = padded[:query.shape[0]]
             written = out
         else:
@@ -91,6 +97,8 @@ def varlen_attention_on_pages(query, key, value, cu_seqlens_q, cu_seqlens_k, max
             out = query.new_zeros(query.shape)
         if key_pages:
             _require_pages(key_slots, cu_seqlens_q, cu_seqlens_k, key_pages)
+        if every_row:
+            _require_every_row(query, cu_seqlens_q, max_seqlen_q)
         out.copy_(_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                              window, softcap, sinks, key_slots, out))
     return out
@@ -363,6 +371,17 @@ def _check_key_pages(key_pages, key_slots) -> None:
                          f"got {key_pages!r}")
     if key_slots is None:
         raise ValueError("key_pages describes key_slots' layout: pass key_slots with it")
+
+
+def _require_every_row(query, cu_seqlens_q, max_seqlen_q: int) -> None:
+    """The reference path holds the caller to ``every_row``'s word (the GPU path cannot look
+    without reading the offsets on the host)."""
+    counts = cu_seqlens_q.diff()
+    if int(cu_seqlens_q[-1]) != query.shape[0] or int(counts.max()) > max_seqlen_q:
+        raise ValueError(f"every_row: the requests' queries ({int(cu_seqlens_q[-1])} rows, the "
+                         f"longest {int(counts.max())}) must be all of query's "
+                         f"{query.shape[0]} rows with max_seqlen_q = {max_seqlen_q} at least "
+                         f"the longest")
 
 
 def _require_pages(key_slots, cu_seqlens_q, cu_seqlens_k, key_pages: int) -> None:

@@ -114,6 +114,21 @@ def test_key_pages_is_a_word_the_reference_path_holds_the_caller_to():
         key_slots=torch.cat([page(5, 4), page(2, 3).flip(0), page(8, 4)]), key_pages=4)
 
 
+def test_every_row_is_a_word_the_reference_path_holds_the_caller_to():
+    """``every_row`` (the output allocated without a zero fill): the requests' queries must be
+    all of query's rows and ``max_seqlen_q`` at least the longest; the reference path refuses a
+    call that breaks it and gives the plain result on one that keeps it."""
+    q, k, v, cu_q, cu_k = packed_case((2, 3), (4, 3))
+    out = varlen.varlen_attention_on_pages(q, k, v, cu_q, cu_k, 3, key_pages=None,
+                                           every_row=True)
+    torch.testing.assert_close(out, varlen_attention(q, k, v, cu_q, cu_k, 3))
+    padded = torch.cat([q, torch.randn(4, 4, 16)])      # 4 rows past the requests
+    for query, longest in ((padded, 3), (q, 2)):
+        with pytest.raises(ValueError, match="every_row: the requests' queries"):
+            varlen.varlen_attention_on_pages(query, k, v, cu_q, cu_k, longest, key_pages=None,
+                                             every_row=True)
+
+
 def test_rows_past_the_requests_are_left_alone():
     q, k, v, cu_q, cu_k = packed_case((2, 3), (4, 3))
     q = torch.cat([q, torch.randn(4, 4, 16)])          # 4 padding rows after the requests
