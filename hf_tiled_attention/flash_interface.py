@@ -71,7 +71,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     its ``cache_seqlens[b] + Sn`` keys (causal at the end) where they lie in the cache. Returns
     ``(B, Sq, Hq, D)``.
 
-    On a GPU one launch writes the new tokens and makes the key offsets (kvcache_kernel.py),
+    On a GPU one launch writes the new tokens and makes the key offsets and the slot list
+    (kvcache_kernel.py),
     then one :func:`varlen.varlen_attention_on_pages` reads the cache (no gathered copy), with
     every shape fixed by the arguments' shapes and nothing read on the host, so a CUDA graph
     can hold it:
@@ -106,10 +107,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # on a GPU the new tokens' writes and the key offsets are one launch (perf-notes step 69);
     # every output row is a request's query, so the output needs no zero fill (every_row).
     cu_q, cu_k_starts, offsets = _layout(batch, queries, block_table.shape[1], page, q.device)
-    slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
     if k is not None and k.shape[1] and kernel_available(q.device):
-        cu_k = _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, page)
+        slots, cu_k = _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots,
+                                        page)
     else:
+        slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
         cu_k = _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts,
                                 q.device)
     out = varlen.varlen_attention_on_pages(
@@ -120,28 +122,35 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, page: int):
-    """The new tokens written and the varlen call's key offsets (request ``b``'s keys, then an
-    empty request to the end of its table row) in one launch (kvcache_kernel.py), where
-    :func:`_append_in_torch` takes 17 small kernels. Returns the offsets, int32, storage to a
-    multiple of 16 rows (varlen reads them in place)."""
+    """The new tokens written, the varlen call's key offsets (request ``b``'s keys, then an
+    empty request to the end of its table row) and its slot list (the table's rows expanded to
+    slots) in one launch (kvcache_kernel.py), where :func:`_append_in_torch` and the slot
+    list's add take 16 small kernels. Returns ``(slots (B, max_pages * page) int64, offsets
+    int32 with storage to a multiple of 16 rows)`` (varlen reads both in place)."""
     import cuda.tile as ct
 
     device = k.device
     cu_k = torch.empty(-(-(2 * k.shape[0] + 1) // 16) * 16, dtype=torch.int32, device=device)
+    slots = torch.empty(k.shape[0], block_table.shape[1] * page, dtype=torch.int64,
+                        device=device)
     with launch_device(device):
         ct.launch(current_stream(device), *append_launch(block_table, cache_seqlens, k, v,
-                                                         k_slots, v_slots, cu_k, page))
-    return cu_k
+                                                         k_slots, v_slots, cu_k, slots, page))
+    return slots, cu_k
 
 
-def append_launch(block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, page: int):
+def append_launch(block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, slots, page: int):
     """``(grid, kernel, args)`` of :func:`_append_on_device`'s launch (meta tensors are fine:
-    the CPU tests export its cubins)."""
+    the CPU tests export its cubins). The slot list's tiles: a page's slots to a power of two
+    (at most 1024 a tile), pages to about 4096 slots a tile."""
     from .kvcache_kernel import append_new_tokens_kernel
+    slot_tile = min(next_power_of_two(page), 1024)
+    pages_tile = min(next_power_of_two(block_table.shape[1]), max(4096 // slot_tile, 1))
     constants = (page, block_table.shape[1] * page, next_power_of_two(k.shape[2]),
-                 head_dim_tile(k.shape[3]))
+                 head_dim_tile(k.shape[3]), pages_tile, slot_tile)
     return ((k.shape[0], 1, 1), append_new_tokens_kernel,
-            (block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, constants))
+            (block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k,
+             slots.view(-1, page), constants))
 
 
 def _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts, device):

@@ -1,16 +1,18 @@
 """The bookkeeping of a ``flash_attn_with_kvcache`` call (flash_interface.py) in one cuTile
 launch: the new tokens' K/V rows written into the paged cache through the block table, and the
-key offsets of the varlen call that follows. In torch these were 17 small kernels around the
-attention launch, 48-64 us a call in a CUDA graph on an H100, half of a 268 MB step's
+key offsets and slot list of the varlen call that follows. In torch these are 16 of the 17
+small kernels around the attention launch (the 17th, the output's zero fill, is gone too:
+varlen's every_row), 48-64 us a call in a CUDA graph on an H100, half of a 268 MB step's
 attention (perf-notes step 69).
 
 Request ``b`` (``bid(0)``) has ``SeqLens[b]`` keys cached; its ``new`` tokens go to positions
 ``SeqLens[b] ..``, position ``p`` in slot ``Table[b, p // page] * page + p % page``. The varlen
-call sees request ``b``'s keys at ``[b * row, b * row + length)`` of the table's rows expanded
-to slots (``row`` = max_pages * page, ``length`` = ``SeqLens[b] + new``), then an empty
-request up to ``(b + 1) * row``: ``CuK[2b] = b * row``, ``CuK[2b + 1] = b * row + length``.
-A padding request (transformers pads a graph's batch with ``SeqLens`` -1) writes nothing and
-has no keys."""
+call sees request ``b``'s keys at ``[b * row, b * row + length)`` of the slot list (the
+table's rows expanded: ``Table[b, i] * page + o`` for the ``o``-th key of its ``i``-th page;
+``row`` = max_pages * page, ``length`` = ``SeqLens[b] + new``), then an empty request up to
+``(b + 1) * row``: ``CuK[2b] = b * row``, ``CuK[2b + 1] = b * row + length``. A padding
+request (transformers pads a graph's batch with ``SeqLens`` -1) writes nothing and has no
+keys."""
 
 import cuda.tile as ct
 
@@ -20,14 +22,18 @@ PAGE = 0      # the constants tuple C: slots per page
 ROW = 1       # slots per block-table row (max_pages * page)
 H_TILE = 2    # kv heads, rounded up to a power of two (extra rows neither read nor written)
 D_TILE = 3    # head dim, likewise
+PAGES_TILE = 4  # the slot list's tiles: pages (table entries) x
+SLOT_TILE = 5   # slots of a page (powers of two; rows and columns past the table's masked)
 
 
-def append_new_tokens(Table, SeqLens, KNew, VNew, KSlots: Wide, VSlots: Wide, CuK,
+def append_new_tokens(Table, SeqLens, KNew, VNew, KSlots: Wide, VSlots: Wide, CuK, Slots,
                       C: ct.Constant):
     """Table ``(B, max_pages)`` and SeqLens ``(B,)`` int32/64; KNew, VNew ``(B, new, Hkv, D)``;
     KSlots, VSlots the cache ``(pages * page, Hkv, D)``; CuK ``(2B + 1,)`` int32 (or longer:
-    the rows past ``2B`` are not written)."""
+    the rows past ``2B`` are not written); Slots ``(B * max_pages, page)`` int64, the slot
+    list as a page per row."""
     b = ct.bid(0)
+    _expand_table_row(Table, Slots, b, C)
     new = KNew.shape[1]
     cached = ct.load(SeqLens, index=(b,), shape=(1,)).item()
     start = b * C[ROW]
@@ -44,6 +50,19 @@ def append_new_tokens(Table, SeqLens, KNew, VNew, KSlots: Wide, VSlots: Wide, Cu
             slot = block * C[PAGE] + position % C[PAGE]
             _copy_row(KNew, KSlots, b, t, slot, C)
             _copy_row(VNew, VSlots, b, t, slot, C)
+
+
+def _expand_table_row(Table, Slots, b, C):
+    """Request ``b``'s rows of the slot list: ``Table[b, i] * page + o`` at ``(i, o)``."""
+    max_pages = Table.shape[1]
+    mine = Slots.slice(axis=0, start=b * max_pages, stop=(b + 1) * max_pages)
+    column = ct.arange(C[SLOT_TILE], dtype=ct.int64)[None, :]
+    for i in range(ct.cdiv(max_pages, C[PAGES_TILE])):
+        blocks = ct.load(Table, index=(b, i), shape=(1, C[PAGES_TILE]),
+                         padding_mode=ct.PaddingMode.ZERO)
+        first = ct.transpose(blocks).astype(ct.int64) * C[PAGE]        # (PAGES_TILE, 1)
+        for o in range(ct.cdiv(C[PAGE], C[SLOT_TILE])):
+            ct.store(mine, index=(i, o), tile=first + (column + o * C[SLOT_TILE]))
 
 
 def _copy_row(New, Slots, b, t, slot, C):

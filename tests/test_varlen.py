@@ -286,7 +286,8 @@ APPEND_CASES = [(8, 128, torch.int64), (1, 64, torch.int32), (5, 96, torch.int32
 @pytest.mark.parametrize("heads_kv, head_dim, lengths_dtype", APPEND_CASES)
 def test_kvcache_append_kernel_compiles(arch, heads_kv, head_dim, lengths_dtype):
     """The one launch that writes flash_attn_with_kvcache's new tokens into the cache and makes
-    the key offsets (kvcache_kernel.py), with the arguments the call hands it."""
+    the key offsets and the slot list (kvcache_kernel.py), with the arguments the call hands
+    it."""
     pytest.importorskip("cuda.tile.compilation")
     from hf_tiled_attention.flash_interface import append_launch
     from hf_tiled_attention.fp8 import export_kernel_cubin
@@ -298,7 +299,7 @@ def test_kvcache_append_kernel_compiles(arch, heads_kv, head_dim, lengths_dtype)
         meta(batch, 5, dtype=torch.int32), meta(batch, dtype=lengths_dtype),
         meta(batch, new, heads_kv, head_dim), meta(batch, new, heads_kv, head_dim),
         meta(40 * page, heads_kv, head_dim), meta(40 * page, heads_kv, head_dim),
-        meta(16, dtype=torch.int32), page)
+        meta(16, dtype=torch.int32), meta(batch, 5 * page, dtype=torch.int64), page)
     assert grid == (batch, 1, 1)
     assert export_kernel_cubin(kernel, args, arch)[:4] == b"\x7fELF"
 

@@ -310,11 +310,11 @@ def test_flash_kvcache_interface_in_a_cuda_graph():
                          [(8, 128, torch.int64, 1), (5, 96, torch.int32, 3),
                           (1, 256, torch.int32, 1)], ids=["llama", "padded-tiles", "one-head"])
 def test_flash_kvcache_append_kernel_matches_torch_steps(heads_kv, head_dim, lengths_dtype, new):
-    """The one launch that writes the new tokens and makes the key offsets (kvcache_kernel.py)
-    against the torch steps it replaces, on two copies of one cache: the same slots written
-    (a padding request, its table row -1 and its positions negative, writes none), nothing else
-    touched, the same offsets. Kv heads and head dims that are not powers of two pad the
-    kernel's tiles; those rows and columns must not be written."""
+    """The one launch that writes the new tokens and makes the key offsets and the slot list
+    (kvcache_kernel.py) against the torch steps it replaces, on two copies of one cache: the
+    same slots written (a padding request, its table row -1 and its positions negative, writes
+    none), nothing else touched, the same offsets and slot list. Kv heads and head dims that
+    are not powers of two pad the kernel's tiles; those rows and columns must not be written."""
     from hf_tiled_attention import flash_interface
     batch, page = 5, 64
     q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case(
@@ -327,10 +327,12 @@ def test_flash_kvcache_append_kernel_matches_torch_steps(heads_kv, head_dim, len
     slots = torch.add(layout[2], table[:, :, None], alpha=page).flatten(1)
     caches = [(k_cache.flatten(0, 1).clone(), v_cache.flatten(0, 1).clone()) for _ in range(2)]
     poison_allocator(1 << 20)
-    by_kernel = flash_interface._append_on_device(table, cached, k_new, v_new, *caches[0], page)
+    slots_by_kernel, by_kernel = flash_interface._append_on_device(table, cached, k_new, v_new,
+                                                                   *caches[0], page)
     by_torch = flash_interface._append_in_torch(slots, cached, k_new, v_new, *caches[1],
                                                 layout[1], q.device)
     torch.cuda.synchronize()
+    assert torch.equal(slots_by_kernel, slots)
     assert torch.equal(by_kernel[:2 * batch + 1], by_torch[:2 * batch + 1])
     for kernel_cache, torch_cache in zip(*caches):
         assert torch.equal(kernel_cache, torch_cache)
