@@ -52,7 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.common import ResultsWriter, output_dir  # noqa: E402
 from hf_tiled_attention import varlen_attention  # noqa: E402
-from hf_tiled_attention.flash_interface import _layout, flash_attn_with_kvcache  # noqa: E402
+from hf_tiled_attention.flash_interface import (_append_in_torch, _layout,  # noqa: E402
+                                                flash_attn_with_kvcache, slot_list)
 from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
 from hf_tiled_attention.timing import (back_to_back_ms, graph_replay_ms,  # noqa: E402
                                        median_ms)
@@ -92,10 +93,10 @@ def kvcache_layout(table: torch.Tensor, keys: int, queries: int, page: int):
     table row; the rows expanded to slots."""
     requests, max_pages = table.shape
     cu_q, cu_k_starts, offsets = _layout(requests, queries, max_pages, page, table.device)
-    cu_k = cu_k_starts.clone()
-    cu_k[1:2 * requests:2] += keys
-    slots = torch.add(offsets, table[:, :, None], alpha=page).flatten()
-    return cu_q, cu_k[:2 * requests + 1], slots
+    slots = slot_list(table, offsets, page)
+    lengths = torch.full((requests,), keys, dtype=torch.int32, device=table.device)
+    cu_k = _append_in_torch(slots, lengths, None, None, None, None, cu_k_starts, table.device)
+    return cu_q, cu_k[:2 * requests + 1], slots.flatten()
 
 
 def main(argv=None) -> int:

@@ -111,7 +111,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         slots, cu_k = _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots,
                                         page)
     else:
-        slots = torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)  # (B, row)
+        slots = slot_list(block_table, offsets, page)
         cu_k = _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts,
                                 q.device)
     out = varlen.varlen_attention_on_pages(
@@ -146,8 +146,8 @@ def append_launch(block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k, slot
     from .kvcache_kernel import append_new_tokens_kernel
     slot_tile = min(next_power_of_two(page), 1024)
     pages_tile = min(next_power_of_two(block_table.shape[1]), max(4096 // slot_tile, 1))
-    constants = (page, block_table.shape[1] * page, next_power_of_two(k.shape[2]),
-                 head_dim_tile(k.shape[3]), pages_tile, slot_tile)
+    constants = (page, next_power_of_two(k.shape[2]), head_dim_tile(k.shape[3]), pages_tile,
+                 slot_tile)
     return ((k.shape[0], 1, 1), append_new_tokens_kernel,
             (block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k,
              slots.view(-1, page), constants))
@@ -176,6 +176,13 @@ def _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts, 
     cu_k = cu_k_starts.clone()  # request b's keys: [b * row, b * row + length)
     cu_k[1:2 * batch:2].add_(lengths.clamp(min=0))
     return cu_k
+
+
+def slot_list(block_table: torch.Tensor, offsets: torch.Tensor, page: int) -> torch.Tensor:
+    """The block table's rows expanded to slots, ``(B, max_pages * page)`` int64: the ``o``-th
+    key of row ``b``'s ``i``-th page at ``block_table[b, i] * page + o`` (``offsets``: _layout's
+    ``arange(page)``; on a GPU with new tokens the bookkeeping launch makes it instead)."""
+    return torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)
 
 
 _LAYOUTS = Memo("flash_interface.layouts", 64)  # a few KB each; a graph keeps reading its own

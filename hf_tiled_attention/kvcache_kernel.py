@@ -19,11 +19,10 @@ import cuda.tile as ct
 from .varlen_kernel import Wide  # the cache may hold 2**31 elements or more
 
 PAGE = 0      # the constants tuple C: slots per page
-ROW = 1       # slots per block-table row (max_pages * page)
-H_TILE = 2    # kv heads, rounded up to a power of two (extra rows neither read nor written)
-D_TILE = 3    # head dim, likewise
-PAGES_TILE = 4  # the slot list's tiles: pages (table entries) x
-SLOT_TILE = 5   # slots of a page (powers of two; rows and columns past the table's masked)
+H_TILE = 1    # kv heads, rounded up to a power of two (extra rows neither read nor written)
+D_TILE = 2    # head dim, likewise
+PAGES_TILE = 3  # the slot list's tiles: pages (table entries) x
+SLOT_TILE = 4   # slots of a page (powers of two; rows and columns past the table's masked)
 
 
 def append_new_tokens(Table, SeqLens, KNew, VNew, KSlots: Wide, VSlots: Wide, CuK, Slots,
@@ -36,13 +35,14 @@ def append_new_tokens(Table, SeqLens, KNew, VNew, KSlots: Wide, VSlots: Wide, Cu
     _expand_table_row(Table, Slots, b, C)
     new = KNew.shape[1]
     cached = ct.load(SeqLens, index=(b,), shape=(1,)).item()
-    start = b * C[ROW]
+    row = Table.shape[1] * C[PAGE]   # slots per block-table row
+    start = b * row
     one = ct.full((1,), 1, dtype=ct.int32)
     ct.store(CuK, index=(2 * b,), tile=one * start)
     length = max(cached + new, 0)   # SeqLens' dtype (int64 from a torch.tensor of ints)
     ct.store(CuK, index=(2 * b + 1,), tile=(one * (start + length)).astype(ct.int32))
     if b == SeqLens.shape[0] - 1:
-        ct.store(CuK, index=(2 * b + 2,), tile=one * (start + C[ROW]))
+        ct.store(CuK, index=(2 * b + 2,), tile=one * (start + row))
     if cached >= 0:
         for t in range(new):
             position = cached + t

@@ -324,7 +324,7 @@ def test_flash_kvcache_append_kernel_matches_torch_steps(heads_kv, head_dim, len
     cached[4] = -new  # a padding request: -1 in a decode step; no position of it >= 0
     table[4].fill_(-1)
     layout = flash_interface._layout(batch, new, table.shape[1], page, q.device)
-    slots = torch.add(layout[2], table[:, :, None], alpha=page).flatten(1)
+    slots = flash_interface.slot_list(table, layout[2], page)
     caches = [(k_cache.flatten(0, 1).clone(), v_cache.flatten(0, 1).clone()) for _ in range(2)]
     poison_allocator(1 << 20)
     slots_by_kernel, by_kernel = flash_interface._append_on_device(table, cached, k_new, v_new,
