@@ -22,7 +22,8 @@ over the cache as transformers' allocator leaves them. Modes:
 * ``kvcache``: ``flash_attn_with_kvcache`` over the same pages as a block table, the request's
   last ``queries`` keys passed as its new tokens (written into the cache first, the values
   already there): the whole decode call of transformers 5.19+'s Hub-kernel route, with the
-  small torch steps that build its slot list and write the new tokens;
+  launch that writes the new tokens and builds the offsets and slot list (torch steps on a
+  CPU);
 * ``gathered``: the same kernel on K/V already gathered into request order (no page lookups);
 * ``gather+kernel``: ``index_select`` of K and V first, then ``gathered`` (what a step costs
   when the cache hands attention a gathered copy, as transformers' other paged backends do).
