@@ -160,7 +160,9 @@ def test_one_query_leaves_nothing_to_round_in_its_scores():
     assert (x.q8.float() == 0).all()
     k_smoothed = k.float() - k.float().mean(2, keepdim=True)
     want = q.float() @ k_smoothed.repeat_interleave(2, 1).transpose(2, 3)
-    torch.testing.assert_close(x.k_bias, want[:, :, 0], rtol=1e-6, atol=1e-6)
+    # fp32 both ways, summed in different orders (the CPU's matmul kernels differ by machine:
+    # 1.9e-6 apart on one): far below the e4m3 rounding (about 1e-2) the bias keeps out.
+    torch.testing.assert_close(x.k_bias, want[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
 QUANT_CUBIN_CASES = [("sm_90", 64), ("sm_90", 80), ("sm_90", 128), ("sm_90", 256),
