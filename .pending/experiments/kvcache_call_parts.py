@@ -10,8 +10,9 @@ the key offsets and the slot list) and the attention over the call's layout. Tim
 graph, 20 calls a replay, each line alone: the bookkeeping launch into buffers made once, the
 same with a batch of no new tokens (offsets and slot list only), the attention alone
 (paged_decode_bench's `pages-as-kvcache`), both launches into buffers made once, and the whole
-call (fresh buffers each call, as the call allocates them). Points: (requests, keys), one query
-each, Llama-3-8B attention (32/8 heads, D=128, bf16), pages of 256 shuffled.
+call as a user makes it. Points: (requests, keys), one query each, Llama-3-8B attention (32/8
+heads, D=128, bf16), pages of 256 shuffled. Session 50 (perf-notes step 72): the whole call's
+extra 10 us over both launches were its layouts made again inside the capture.
 """
 import os
 import sys
@@ -21,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from eval.paged_decode_bench import decode_step, kvcache_layout  # noqa: E402
-from hf_tiled_attention.flash_interface import append_launch, flash_attn_with_kvcache  # noqa: E402
+from hf_tiled_attention.flash_interface import (_layout, append_launch,  # noqa: E402
+                                                flash_attn_with_kvcache)
 from hf_tiled_attention.launch import current_stream  # noqa: E402
 from hf_tiled_attention.timing import graph_replay_ms  # noqa: E402
 from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
@@ -38,7 +40,7 @@ for requests, keys in points:
                     for cache in (cache_k, cache_v))
     seqlens = torch.full((requests,), keys - 1, dtype=torch.int32, device="cuda")
     cu_q, cu_k_call, slots_call = kvcache_layout(table, keys, 1, PAGE)
-    cu_k = torch.empty(-(-(2 * requests + 1) // 16) * 16, dtype=torch.int32, device="cuda")
+    cu_k = torch.empty_like(_layout(requests, 1, table.shape[1], PAGE, q.device)[1])
     slot_list = torch.empty(requests, table.shape[1] * PAGE, dtype=torch.int64, device="cuda")
     out = torch.empty_like(q)
 
