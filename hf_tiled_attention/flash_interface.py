@@ -104,12 +104,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)   # (pages * page, Hkv, D)
     # Each eager torch step is a kernel of its own, about 3 us in a graph beside a short
     # step's 50-110 us attention: the shape-fixed parts are made once per shape (_layout), and
-    # on a GPU the new tokens' writes and the key offsets are one launch (perf-notes step 69);
+    # on a GPU the new tokens' writes, the key offsets and the slot list are one launch
+    # (perf-notes steps 69 and 71);
     # every output row is a request's query, so the output needs no zero fill (every_row).
     cu_q, cu_k_starts, offsets = _layout(batch, queries, block_table.shape[1], page, q.device)
     if k is not None and k.shape[1] and kernel_available(q.device):
         slots, cu_k = _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots,
-                                        page)
+                                        cu_k_starts, page)
     else:
         slots = slot_list(block_table, offsets, page)
         cu_k = _append_in_torch(slots, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts,
@@ -121,16 +122,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.unflatten(0, (batch, queries))
 
 
-def _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, page: int):
+def _append_on_device(block_table, cache_seqlens, k, v, k_slots, v_slots, cu_k_starts,
+                      page: int):
     """The new tokens written, the varlen call's key offsets (request ``b``'s keys, then an
     empty request to the end of its table row) and its slot list (the table's rows expanded to
     slots) in one launch (kvcache_kernel.py), where :func:`_append_in_torch` and the slot
     list's add take 16 small kernels. Returns ``(slots (B, max_pages * page) int64, offsets
-    int32 with storage to a multiple of 16 rows)`` (varlen reads both in place)."""
+    int32 shaped as _layout's cu_k_starts)`` (varlen reads both in place)."""
     import cuda.tile as ct
 
     device = k.device
-    cu_k = torch.empty(-(-(2 * k.shape[0] + 1) // 16) * 16, dtype=torch.int32, device=device)
+    cu_k = torch.empty_like(cu_k_starts)
     slots = torch.empty(k.shape[0], block_table.shape[1] * page, dtype=torch.int64,
                         device=device)
     with launch_device(device):

@@ -328,7 +328,7 @@ def test_flash_kvcache_append_kernel_matches_torch_steps(heads_kv, head_dim, len
     caches = [(k_cache.flatten(0, 1).clone(), v_cache.flatten(0, 1).clone()) for _ in range(2)]
     poison_allocator(1 << 20)
     slots_by_kernel, by_kernel = flash_interface._append_on_device(table, cached, k_new, v_new,
-                                                                   *caches[0], page)
+                                                                   *caches[0], layout[1], page)
     by_torch = flash_interface._append_in_torch(slots, cached, k_new, v_new, *caches[1],
                                                 layout[1], q.device)
     torch.cuda.synchronize()
