@@ -187,18 +187,27 @@ def slot_list(block_table: torch.Tensor, offsets: torch.Tensor, page: int) -> to
     return torch.add(offsets, block_table[:, :, None], alpha=page).flatten(1)
 
 
-_LAYOUTS = Memo("flash_interface.layouts", 64)  # a few KB each; a graph keeps reading its own
+# A few KB each, never dropped in practice: a CUDA graph captured over one keeps reading it.
+_LAYOUTS = Memo("flash_interface.layouts", 1024)
 
 
 def _kept(key: tuple, make, device: torch.device):
-    """``make()``, kept per key and stream where a GPU tensor may be kept
-    (memo.may_keep_device_memory: not while a CUDA graph is being captured, whose pool would
-    hold it). Per stream, as launch.py keeps its workspaces: the kernels that fill it run on
-    the stream that made it, and a call on another stream would not wait for them."""
-    eager = not torch.compiler.is_compiling()
-    stream = current_stream(device) if device.type == "cuda" else None
-    return _LAYOUTS.get_or_make(key + (stream,), make,
-                                keep=may_keep_device_memory(eager, device))
+    """``make()``, kept per key where a GPU tensor may be kept (memo.may_keep_device_memory:
+    not while a CUDA graph is being captured, whose pool would hold it). A kept one is finished
+    before it is returned (its stream synchronised, once per shape), so it serves every stream:
+    a graph's capture runs on a stream of its own, and with one tensor per stream it made the
+    layout again inside the graph, small kernels of about 10 us a call that its warm-up on
+    another stream had made already (perf-notes step 72)."""
+    if may_keep_device_memory(not torch.compiler.is_compiling(), device):
+        return _LAYOUTS.get_or_make(key, lambda: _finished(make(), device))
+    return _LAYOUTS.get_or_make(key, make, keep=False)   # (in a capture: a kept one, if any)
+
+
+def _finished(value, device: torch.device):
+    """``value``, after the kernels on ``device``'s current stream that made it have run."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return value
 
 
 def _counting(n: int, device: torch.device) -> torch.Tensor:

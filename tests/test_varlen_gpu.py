@@ -306,6 +306,38 @@ def test_flash_kvcache_interface_in_a_cuda_graph():
     assert err <= TOLERANCE[torch.bfloat16], err
 
 
+def test_flash_kvcache_capture_finds_the_warm_up_layouts():
+    """A server warms a call up on one stream and captures it on the graph's own (torch's
+    capture stream; timing.graph_replay_ms does the same): the capture must find the layouts
+    the warm-up kept, not make them again inside the graph (with one layout per stream it did:
+    small kernels worth about 10 us a call, perf-notes step 72)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
+    q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case([10, 700, 300, 1500],
+                                                                         all_pages=True)
+
+    class Names(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def step():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                       block_table=table, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), Names():
+        step()
+    assert "arange" not in Names.seen, Names.seen
+
+
 @pytest.mark.parametrize("heads_kv, head_dim, lengths_dtype, new",
                          [(8, 128, torch.int64, 1), (5, 96, torch.int32, 3),
                           (1, 256, torch.int32, 1)], ids=["llama", "padded-tiles", "one-head"])
