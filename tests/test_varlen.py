@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tiled_attention as hta
 from hf_tiled_attention import varlen, varlen_attention
@@ -460,29 +461,31 @@ def test_flash_kvcache_interface_ignores_padding_rows():
         assert torch.equal(padded, alone)
 
 
+class TorchSteps(TorchDispatchMode):
+    """The names of the torch ops run inside it that launch work (views left out): each eager
+    one is a GPU kernel of its own."""
+    free = {"view", "unsqueeze", "slice", "select", "flatten", "_unsafe_view", "alias",
+            "expand", "as_strided", "t", "transpose", "detach"}
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.free:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_flash_kvcache_interface_runs_few_torch_steps(monkeypatch):
     """Every eager torch step of a decode call is a GPU kernel of its own (about 3 us in a
     graph, beside a short step's 50-110 us attention): a decode call with new tokens runs at
     most 17 that launch work besides the attention (it ran 39), its shape-fixed tensors made
     once and kept, and the varlen call gets offsets whose storage reaches 16 rows (read in
     place, no copy)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from hf_tiled_attention import flash_interface
     from hf_tiled_attention.memo import cache_sizes
-
-    class Steps(TorchDispatchMode):
-        free = {"view", "unsqueeze", "slice", "select", "flatten", "_unsafe_view", "alias",
-                "expand", "as_strided", "t", "transpose", "detach"}
-
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in self.free:
-                self.names.append(name)
-            return func(*args, **(kwargs or {}))
 
     calls = []
 
@@ -499,7 +502,7 @@ def test_flash_kvcache_interface_runs_few_torch_steps(monkeypatch):
     flash_interface.flash_attn_with_kvcache(q, *cache, *new, cache_seqlens=cached,
                                             block_table=table, causal=True)
     kept = cache_sizes()["flash_interface.layouts"]
-    with Steps() as steps:
+    with TorchSteps() as steps:
         flash_interface.flash_attn_with_kvcache(q, *cache, *new, cache_seqlens=cached,
                                                 block_table=table, causal=True)
     assert len(steps.names) <= 17, steps.names

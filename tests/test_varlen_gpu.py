@@ -8,7 +8,7 @@ import torch
 
 from hf_tiled_attention import varlen, varlen_attention
 from test_kernel_gpu import TOLERANCE, _kernel_required, poison_allocator  # noqa: F401
-from test_varlen import block_table_slots, definition
+from test_varlen import TorchSteps, block_table_slots, definition
 
 pytestmark = [
     pytest.mark.gpu,
@@ -311,17 +311,9 @@ def test_flash_kvcache_capture_finds_the_warm_up_layouts():
     capture stream; timing.graph_replay_ms does the same): the capture must find the layouts
     the warm-up kept, not make them again inside the graph (with one layout per stream it did:
     small kernels worth about 10 us a call, perf-notes step 72)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from hf_tiled_attention.flash_interface import flash_attn_with_kvcache
     q, k_cache, v_cache, k_new, v_new, table, cached = _block_table_case([10, 700, 300, 1500],
                                                                          all_pages=True)
-
-    class Names(TorchDispatchMode):
-        seen: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def step():
         return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
@@ -333,9 +325,9 @@ def test_flash_kvcache_capture_finds_the_warm_up_layouts():
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), Names():
+    with torch.cuda.graph(graph), TorchSteps() as steps:
         step()
-    assert "arange" not in Names.seen, Names.seen
+    assert "arange" not in steps.names, steps.names
 
 
 @pytest.mark.parametrize("heads_kv, head_dim, lengths_dtype, new",
