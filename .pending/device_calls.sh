@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The next H200 session's calls, one part each (.pending/README.md says why and in what order).
+# Apply .pending/experiments/paged-32bit-entry.mbox here first (`git am`): parts 1 and 2 run
+# the GPU suite on that tree. Run each part through the device tool, carry [".gpu"]:
+#   bash .gpu/install.sh >/dev/null 2>&1 && source /tmp/cutile-tk/env.sh &&
+#   export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1; bash .pending/device_calls.sh 1
+# (parts 2 and 3 without the install) and chain them: the host goes back 30 s after a call.
+# Results go to /tmp/r (kept between calls on a warm host) and come back as $OUT/r<part>.tgz.
+#   1: the entry-width experiment (both entries, one process), then the suite cold (bounded)
+#   2: the suite whole, warm (its pass count lands the series), then the paged decode bench
+#      and its prompt-chunk points
+#   3: the packed training step profiled at 16k and 32k, tiled against FlexAttention
+set -u
+part=${1:?say 1, 2 or 3}
+grep -q "wide = any(a.numel() >= 2 \*\* 31 for a in arrays)" hf_tiled_attention/varlen.py || {
+  echo "device_calls: apply .pending/experiments/paged-32bit-entry.mbox first" >&2; exit 2; }
+mkdir -p /tmp/r
+snap() { tar czf "${OUT:-/tmp}/r$part.tgz" -C /tmp r 2>/dev/null; }
+trap snap EXIT TERM
+start=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - start) )); }
+timed() {  # timed LOG LIMIT COMMAND...: the command's output to /tmp/r/LOG, its status last
+  local log=/tmp/r/$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$log" 2>&1
+  echo "rc $? after $(( $(date +%s) - start )) s" >> "$log"
+}
+suite() { timed "$1" "$2" python -m pytest -q -n 16 -m gpu tests integration_tests \
+            -p no:cacheprovider; grep -E "^(FAILED|ERROR)" "/tmp/r/$1" | head -20
+          tail -3 "/tmp/r/$1"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "/tmp/r/gpu$part.txt"
+case $part in
+  1) timed entry_width.txt 200 python .pending/experiments/paged_entry_width.py
+     tail -30 /tmp/r/entry_width.txt
+     suite suite_cold.txt "$(left 545)" ;;
+  2) suite suite.txt 400
+     timed paged_bench.txt "$(left 570)" python eval/paged_decode_bench.py \
+       --requests 32 64 128 256 --keys 1024 2048 4096 --out /tmp/r/serve
+     tail -30 /tmp/r/paged_bench.txt
+     timed paged_prefill.txt "$(left 585)" python eval/paged_decode_bench.py \
+       --queries 128 512 --requests 8 32 --keys 4096 --out /tmp/r/serve-prefill
+     tail -12 /tmp/r/paged_prefill.txt ;;
+  3) timed train_profile.txt 540 python eval/profile_train_step.py \
+       --batchings packed-16k packed-32k --out /tmp/r/train-profile
+     tail -30 /tmp/r/train_profile.txt ;;
+  *) echo "device_calls: the part is 1, 2 or 3, got '$part'" >&2; exit 2 ;;
+esac
