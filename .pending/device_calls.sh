@@ -10,8 +10,9 @@
 #   2: the suite whole, warm (its pass count lands the series), then the paged decode bench
 #      and its prompt-chunk points
 #   3: the packed training step profiled at 16k and 32k, tiled against FlexAttention
+#   4: (if device time is left) serve/serve.csv's run again on this tree (it is from e1fd5c9)
 set -u
-part=${1:?say 1, 2 or 3}
+part=${1:?say 1, 2, 3 or 4}
 grep -q "wide = any(a.numel() >= 2 \*\* 31 for a in arrays)" hf_tiled_attention/varlen.py || {
   echo "device_calls: apply .pending/experiments/paged-32bit-entry.mbox first" >&2; exit 2; }
 mkdir -p /tmp/r
@@ -42,5 +43,8 @@ case $part in
   3) timed train_profile.txt 540 python eval/profile_train_step.py \
        --batchings packed-16k packed-32k --out /tmp/r/train-profile
      tail -30 /tmp/r/train_profile.txt ;;
-  *) echo "device_calls: the part is 1, 2 or 3, got '$part'" >&2; exit 2 ;;
+  4) timed serve.txt 560 python eval/serve_throughput.py --shapes llama3-8b \
+       --concurrency 32 128 --backends tiled sdpa --out /tmp/r/serve-throughput
+     tail -12 /tmp/r/serve.txt ;;
+  *) echo "device_calls: the part is 1, 2, 3 or 4, got '$part'" >&2; exit 2 ;;
 esac
