@@ -6,10 +6,11 @@
 #   export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1; bash .pending/device_calls.sh 1
 # (parts 2 and 3 without the install) and chain them: the host goes back 30 s after a call.
 # Results go to /tmp/r (kept between calls on a warm host) and come back as $OUT/r<part>.tgz.
-#   1: the entry-width experiment (both entries, one process), then the suite cold (bounded)
-#   2: the suite whole, warm (its pass count lands the series), then the paged decode bench
-#      and its prompt-chunk points
-#   3: the packed training step profiled at 16k and 32k, tiled against FlexAttention
+#   1: the GPU suite whole, cold (bounded so its log comes back; 616 passed on main)
+#   2: the suite again, warm, unless part 1's finished; the entry-width experiment (both
+#      entries, one process); the paged decode bench at serve/paged_decode.csv's points
+#   3: the prompt-chunk points (serve/paged-prefill-chunks.txt's); the packed training step
+#      profiled at 16k and 32k, tiled against FlexAttention
 #   4: (if device time is left) serve/serve.csv's run again on this tree (it is from e1fd5c9)
 set -u
 part=${1:?say 1, 2, 3 or 4}
@@ -27,20 +28,20 @@ timed() {  # timed LOG LIMIT COMMAND...: the command's output to /tmp/r/LOG, its
 }
 suite() { timed "$1" "$2" python -m pytest -q -n 16 -m gpu tests integration_tests \
             -p no:cacheprovider; grep -E "^(FAILED|ERROR)" "/tmp/r/$1" | head -20
-          tail -3 "/tmp/r/$1"; }
+          tail -3 "/tmp/r/$1"; cp "/tmp/r/$1" "${OUT:-/tmp}/" 2>/dev/null; }  # kept if cut
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "/tmp/r/gpu$part.txt"
 case $part in
-  1) timed entry_width.txt 200 python .pending/experiments/paged_entry_width.py
-     tail -30 /tmp/r/entry_width.txt
-     suite suite_cold.txt "$(left 545)" ;;
-  2) suite suite.txt 400
-     timed paged_bench.txt "$(left 570)" python eval/paged_decode_bench.py \
+  1) suite suite_cold.txt "$(left 540)" ;;  # the install before it takes some of the call
+  2) grep -q "^rc 0 after" /tmp/r/suite_cold.txt 2>/dev/null || suite suite.txt 400
+     timed entry_width.txt 150 python .pending/experiments/paged_entry_width.py
+     tail -24 /tmp/r/entry_width.txt
+     timed paged_bench.txt "$(left 575)" python eval/paged_decode_bench.py \
        --requests 32 64 128 256 --keys 1024 2048 4096 --out /tmp/r/serve
-     tail -30 /tmp/r/paged_bench.txt
-     timed paged_prefill.txt "$(left 585)" python eval/paged_decode_bench.py \
+     tail -30 /tmp/r/paged_bench.txt ;;
+  3) timed paged_prefill.txt 120 python eval/paged_decode_bench.py \
        --queries 128 512 --requests 8 32 --keys 4096 --out /tmp/r/serve-prefill
-     tail -12 /tmp/r/paged_prefill.txt ;;
-  3) timed train_profile.txt 540 python eval/profile_train_step.py \
+     tail -12 /tmp/r/paged_prefill.txt
+     timed train_profile.txt "$(left 575)" python eval/profile_train_step.py \
        --batchings packed-16k packed-32k --out /tmp/r/train-profile
      tail -30 /tmp/r/train_profile.txt ;;
   4) timed serve.txt 560 python eval/serve_throughput.py --shapes llama3-8b \
