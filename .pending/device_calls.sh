@@ -4,7 +4,7 @@
 # the GPU suite on that tree. Run each part through the device tool, carry [".gpu"]:
 #   bash .gpu/install.sh >/dev/null 2>&1 && source /tmp/cutile-tk/env.sh &&
 #   export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1; bash .pending/device_calls.sh 1
-# (parts 2 and 3 without the install) and chain them: the host goes back 30 s after a call.
+# (quick on a warm host) and chain them: the host goes back 30 s after a call.
 # Results go to /tmp/r (kept between calls on a warm host) and come back as $OUT/r<part>.tgz.
 #   1: the GPU suite whole, cold (bounded so its log comes back; 616 passed on main)
 #   2: the suite again, warm, unless part 1's finished; the entry-width experiment (both
