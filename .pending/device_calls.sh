@@ -10,8 +10,9 @@
 #   1: the GPU suite whole, cold (bounded so its log comes back; 537 s on an H100)
 #   2: the suite again, warm, unless part 1's finished; the entry-width experiment (both
 #      entries, one process); the paged decode bench at serve/paged_decode.csv's points
-#   3: the prompt-chunk points (serve/paged-prefill-chunks.txt's); the packed training step
-#      profiled at 16k and 32k, tiled against FlexAttention
+#   3: the row-gathering decode launch at 128/64/32 keys a tile; the prompt-chunk points
+#      (serve/paged-prefill-chunks.txt's); the packed training step profiled at 16k and 32k,
+#      tiled against FlexAttention
 #   4: (if device time is left) serve/serve.csv's run again on this tree (it is from e1fd5c9)
 set -u
 part=${1:?say 1, 2, 3 or 4}
@@ -39,7 +40,9 @@ case $part in
      timed paged_bench.txt "$(left 575)" python eval/paged_decode_bench.py \
        --requests 32 64 128 256 --keys 1024 2048 4096 --out /tmp/r/serve
      tail -30 /tmp/r/paged_bench.txt ;;
-  3) timed paged_prefill.txt 120 python eval/paged_decode_bench.py \
+  3) timed row_tiles.txt 150 python .pending/experiments/row_gather_tiles.py
+     tail -16 /tmp/r/row_tiles.txt
+     timed paged_prefill.txt 120 python eval/paged_decode_bench.py \
        --queries 128 512 --requests 8 32 --keys 4096 --out /tmp/r/serve-prefill
      tail -12 /tmp/r/paged_prefill.txt
      timed train_profile.txt "$(left 575)" python eval/profile_train_step.py \
