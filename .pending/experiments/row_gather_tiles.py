@@ -50,9 +50,9 @@ def with_row_tile(parts, keys_per_tile):
     return changed
 
 
-def run(parts):
+def run(parts, device):
     def fn():
-        stream = current_stream(parts[0][2][0].device)
+        stream = current_stream(device)
         for kernel, grid, args in parts:
             ct.launch(stream, grid, kernel, args)
     return fn
@@ -71,7 +71,7 @@ for requests, keys in points:
         outs[n] = torch.full_like(q, float("nan"))
         parts = varlen.launches(q, ck, cv, cu_q, cu_k, 1, scale, None, None, None, slots,
                                 outs[n])
-        calls[n] = run(with_row_tile(parts, n))
+        calls[n] = run(with_row_tile(parts, n), q.device)
         calls[n]()
     torch.cuda.synchronize()
     errors = {n: (outs[n].float() - want).abs().max().item() for n in TILES}
