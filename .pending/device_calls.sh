@@ -9,14 +9,14 @@
 # Results go to /tmp/r (kept between calls on a warm host) and come back as $OUT/r<part>.tgz.
 #   1: the GPU suite whole, cold (bounded so its log comes back; 537 s on an H100)
 #   2: the suite again, warm, unless part 1's finished; the entry-width experiment (both
-#      entries, one process); the paged decode bench at serve/paged_decode.csv's points
-#   3: the row-gathering decode launch at 128/64/32 keys a tile; the prompt-chunk points
-#      (serve/paged-prefill-chunks.txt's); the packed training step profiled at 16k and 32k,
-#      tiled against FlexAttention
+#      entries, one process); the row gathers' two forms (TMA loads, copies); the paged decode
+#      bench at serve/paged_decode.csv's points
+#   3: the prompt-chunk points (serve/paged-prefill-chunks.txt's); the packed training step
+#      profiled at 16k and 32k, tiled against FlexAttention
 #   4: (if device time is left) serve/serve.csv's run again on this tree (it is from e1fd5c9)
 set -u
 part=${1:?say 1, 2, 3 or 4}
-grep -q "wide = any(a.numel() >= 2 \*\* 31 for a in arrays)" hf_tiled_attention/varlen.py || {
+grep -q "^VARLEN_ROW_GATHER = " hf_tiled_attention/schedule.py || {
   echo "device_calls: apply .pending/experiments/paged-32bit-entry.mbox first" >&2; exit 2; }
 mkdir -p /tmp/r
 snap() { tar czf "${OUT:-/tmp}/r$part.tgz" -C /tmp r 2>/dev/null; }
@@ -37,12 +37,12 @@ case $part in
   2) grep -q "^rc 0 after" /tmp/r/suite_cold.txt 2>/dev/null || suite suite.txt 400
      timed entry_width.txt 150 python .pending/experiments/paged_entry_width.py
      tail -24 /tmp/r/entry_width.txt
+     timed row_tiles.txt 200 python .pending/experiments/row_gather_tiles.py
+     tail -24 /tmp/r/row_tiles.txt
      timed paged_bench.txt "$(left 575)" python eval/paged_decode_bench.py \
        --requests 32 64 128 256 --keys 1024 2048 4096 --out /tmp/r/serve
      tail -30 /tmp/r/paged_bench.txt ;;
-  3) timed row_tiles.txt 150 python .pending/experiments/row_gather_tiles.py
-     tail -16 /tmp/r/row_tiles.txt
-     timed paged_prefill.txt 120 python eval/paged_decode_bench.py \
+  3) timed paged_prefill.txt 120 python eval/paged_decode_bench.py \
        --queries 128 512 --requests 8 32 --keys 4096 --out /tmp/r/serve-prefill
      tail -12 /tmp/r/paged_prefill.txt
      timed train_profile.txt "$(left 575)" python eval/profile_train_step.py \

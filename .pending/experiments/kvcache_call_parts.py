@@ -24,11 +24,10 @@ import torch  # noqa: E402
 from eval.paged_decode_bench import decode_step, kvcache_layout  # noqa: E402
 from hf_tiled_attention.flash_interface import (_layout, append_launch,  # noqa: E402
                                                 flash_attn_with_kvcache)
-from hf_tiled_attention.launch import current_stream  # noqa: E402
+from hf_tiled_attention.launch import launch_each  # noqa: E402
 from hf_tiled_attention.timing import graph_replay_ms  # noqa: E402
 from hf_tiled_attention.varlen import varlen_attention_on_pages  # noqa: E402
 
-import cuda.tile as ct  # noqa: E402
 
 PAGE = 256
 points = eval(os.environ.get("POINTS", "[(32, 1024), (32, 2048), (64, 1024), (256, 1024)]"))
@@ -45,9 +44,8 @@ for requests, keys in points:
     out = torch.empty_like(q)
 
     def bookkeeping(k=new_k, v=new_v):
-        grid, kernel, args = append_launch(table, seqlens, k, v, cache_k, cache_v, cu_k,
-                                           slot_list, PAGE)
-        ct.launch(current_stream(q.device), grid, kernel, args)
+        launch_each(q.device, [append_launch(table, seqlens, k, v, cache_k, cache_v, cu_k,
+                                             slot_list, PAGE)])
 
     def attention(cu_k_rows=cu_k_call, key_slots=slots_call):
         varlen_attention_on_pages(q, cache_k, cache_v, cu_q, cu_k_rows, 1, key_slots=key_slots,

@@ -32,10 +32,9 @@ import torch  # noqa: E402
 from eval.paged_decode_bench import decode_step  # noqa: E402
 from hf_tiled_attention import varlen  # noqa: E402
 from hf_tiled_attention import varlen_kernel as K  # noqa: E402
-from hf_tiled_attention.launch import current_stream  # noqa: E402
+from hf_tiled_attention.launch import launch_each  # noqa: E402
 from hf_tiled_attention.timing import graph_replay_ms  # noqa: E402
 
-import cuda.tile as ct  # noqa: E402
 
 PAGE = 256
 points = eval(os.environ.get("POINTS", "[(32, 2048), (64, 1024), (128, 1024), (256, 1024), "
@@ -59,11 +58,7 @@ for requests, keys in points:
         entries[name] = parts
 
     def run(parts):
-        def fn():
-            stream = current_stream(q.device)
-            for kernel, grid, args in parts:
-                ct.launch(stream, grid, kernel, args)
-        return fn
+        return lambda: launch_each(q.device, parts)
 
     for parts in entries.values():
         run(parts)()

@@ -21,10 +21,9 @@ import torch  # noqa: E402
 
 from eval.paged_decode_bench import decode_step  # noqa: E402
 from hf_tiled_attention import varlen  # noqa: E402
-from hf_tiled_attention.launch import current_stream  # noqa: E402
+from hf_tiled_attention.launch import launch_each  # noqa: E402
 from hf_tiled_attention.timing import graph_replay_ms  # noqa: E402
 
-import cuda.tile as ct  # noqa: E402
 
 points = eval(os.environ.get("POINTS", "[(64, 1024), (128, 1024), (256, 1024), (32, 4096)]"))
 for requests, keys in points:
@@ -38,12 +37,7 @@ for requests, keys in points:
     assert len(parts) == 3, len(parts)
 
     def run(chosen):
-        def fn():
-            stream = current_stream(q.device)
-            for i in chosen:
-                kernel, grid, args = parts[i]
-                ct.launch(stream, grid, kernel, args)
-        return fn
+        return lambda: launch_each(q.device, [parts[i] for i in chosen])
 
     mb = 2 * kf.numel() * kf.element_size() / 1e6
     copy_ms = graph_replay_ms(lambda: (kf.clone(), vf.clone()), calls=10)
